@@ -1,0 +1,158 @@
+"""Per-rank environment for MLX's distributed backends, as data.
+
+Each backend returns, for every rank, the environment variables and the files the rank needs on
+its host (``files`` maps an env var to the text of the file its value must point at: the process
+layer writes the file on the host and sets the variable to its path, as ``mlx.launch`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import dataclass, field
+
+from .hostfile import Host, Hostfile, HostfileError
+
+
+@dataclass
+class RankEnv:
+    rank: int
+    host: Host
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def free_port(ip: str) -> int:
+    """A port the OS says is free on ``ip`` now (it may be taken again before MLX binds it)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(ip: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((ip, port))
+        except OSError:
+            return True
+    return False
+
+
+def ring_addresses(
+    hostfile: Hostfile, starting_port: int | None = None, connections_per_ip: int = 1
+) -> list[list[str]]:
+    """The ``MLX_HOSTFILE`` list: for each rank, ``ip:port`` per ip and connection.
+
+    With ``starting_port`` the ports count up from it as in ``mlx.launch``; without it, ranks on
+    this machine get ports the OS reports free and remote ranks count up from 32323.
+    """
+    ranks = hostfile.rank_hosts()
+    for h in hostfile.hosts:
+        if not h.ips:
+            raise HostfileError(
+                f"{hostfile.path or '<hostfile>'}: {h.label}: field 'ips' is required by the "
+                "ring backend (the address the other ranks connect to)"
+            )
+    if connections_per_ip < 1:
+        raise HostfileError(f"--connections-per-ip must be at least 1, got {connections_per_ip}")
+    port = starting_port if starting_port is not None else 32323
+    addresses = []
+    for host in ranks:
+        node = []
+        for ip in host.ips:
+            for _ in range(connections_per_ip):
+                if starting_port is None and host.is_local:
+                    node.append(_join(ip, free_port(ip)))
+                else:
+                    node.append(_join(ip, port))
+                    port += 1
+        addresses.append(node)
+    return addresses
+
+
+def _join(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def ring_env(
+    hostfile: Hostfile,
+    starting_port: int | None = None,
+    connections_per_ip: int = 1,
+    verbose: bool = False,
+) -> list[RankEnv]:
+    ranks = hostfile.rank_hosts()
+    if len(ranks) == 1:
+        return [RankEnv(0, ranks[0])]
+    ring = json.dumps(ring_addresses(hostfile, starting_port, connections_per_ip))
+    out = []
+    for rank, host in enumerate(ranks):
+        env = {"MLX_RANK": str(rank)}
+        if verbose:
+            env["MLX_RING_VERBOSE"] = "1"
+        out.append(RankEnv(rank, host, env, {"MLX_HOSTFILE": ring}))
+    return out
+
+
+def jaccl_env(hostfile: Hostfile, starting_port: int | None = None) -> list[RankEnv]:
+    """JACCL over RDMA (Thunderbolt 5): coordinator = rank 0's first ip, the IBV device matrix."""
+    where = hostfile.path or "<hostfile>"
+    hosts = hostfile.hosts
+    n = len(hosts)
+    ring = hostfile.backend == "jaccl-ring"
+    if hostfile.world_size == 1:
+        return [RankEnv(0, hosts[0])]
+    multi = [h.label for h in hosts if h.slots > 1]
+    if multi:
+        raise HostfileError(
+            f"{where}: {', '.join(multi)}: field 'slots': {hostfile.backend} "
+            "runs one rank per host (each needs its own RDMA devices); "
+            "use the ring backend for several ranks on one machine"
+        )
+    if not hosts[0].ips:
+        raise HostfileError(
+            f"{where}: {hosts[0].label}: field 'ips' is required for rank 0 "
+            "(the JACCL coordinator address)"
+        )
+    if not all(h.rdma for h in hosts):
+        lacking = ", ".join(h.label for h in hosts if not h.rdma)
+        raise HostfileError(f"{where}: field 'rdma' is required by {hostfile.backend} on {lacking}")
+    diagonal = [h.label for i, h in enumerate(hosts) if h.rdma[i] is not None]
+    if diagonal:
+        raise HostfileError(
+            f"{where}: {', '.join(diagonal)}: field 'rdma': the entry for the "
+            "host itself must be null"
+        )
+    missing = [
+        (i, j)
+        for i, h in enumerate(hosts)
+        for j in (sorted({(i - 1) % n, (i + 1) % n}) if ring else range(n))
+        if i != j and hosts[i].rdma[j] is None
+    ]
+    if missing:
+        pairs = ", ".join(
+            f"{hosts[i].target} -> {hosts[j].target} (rdma[{i}][{j}])" for i, j in missing
+        )
+        raise HostfileError(f"{where}: field 'rdma': no device for {pairs}")
+    port = starting_port if starting_port is not None else 32323
+    common = {"MLX_JACCL_COORDINATOR": _join(hosts[0].ips[0], port)}
+    if ring:
+        common["MLX_JACCL_RING"] = "1"
+    matrix = json.dumps([h.rdma for h in hosts])
+    return [
+        RankEnv(rank, h, dict(common, MLX_RANK=str(rank)), {"MLX_IBV_DEVICES": matrix})
+        for rank, h in enumerate(hosts)
+    ]
+
+
+def rank_envs(
+    hostfile: Hostfile,
+    starting_port: int | None = None,
+    connections_per_ip: int = 1,
+    verbose: bool = False,
+) -> list[RankEnv]:
+    """Environment and files for every rank, for the hostfile's backend."""
+    if hostfile.backend == "ring":
+        return ring_env(hostfile, starting_port, connections_per_ip, verbose)
+    return jaccl_env(hostfile, starting_port)

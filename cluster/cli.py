@@ -1,0 +1,178 @@
+"""The ``mlx-cluster`` command."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from . import __version__
+from .hostfile import BACKENDS, HostfileError, load_hostfile, local_hostfile
+from .launcher import JobOptions, LaunchError, run_job
+from .modelcheck import MODES, default_model_path
+
+STARTED = time.perf_counter()
+
+
+def resolve_hostfile(path: str | None, num_ranks: int | None, backend: str | None):
+    """--hostfile, or -n N ranks on this machine (2 by default, as hostfiles/local.yaml)."""
+    if path is not None and num_ranks is not None:
+        raise click.UsageError("give either --hostfile or -n/--num-ranks, not both")
+    hostfile = load_hostfile(path) if path else local_hostfile(num_ranks or 2)
+    if backend:
+        hostfile.backend = backend
+    return hostfile
+
+
+def launch_options(f):
+    """Options shared by every command that starts a job."""
+    options = [
+        click.option(
+            "--hostfile",
+            type=click.Path(dir_okay=False),
+            help="YAML (or mlx.launch JSON) hostfile; default: 2 ranks on this machine.",
+        ),
+        click.option(
+            "-n",
+            "--num-ranks",
+            type=click.IntRange(min=1),
+            help="Run N ranks on this machine (no hostfile). Default 2.",
+        ),
+        click.option(
+            "--model",
+            default=None,
+            metavar="PATH_OR_REPO",
+            help="MLX checkpoint directory or Hugging Face repo; default: the tiny "
+            "model embedded in mlx-cluster.",
+        ),
+        click.option(
+            "--mode",
+            type=click.Choice(MODES),
+            default="pipeline",
+            show_default=True,
+            help="pipeline: each rank holds a range of layers; tensor: each rank holds "
+            "a slice of every layer.",
+        ),
+        click.option(
+            "--backend",
+            type=click.Choice(BACKENDS),
+            default=None,
+            help="Collective backend; default: the hostfile's, else ring.",
+        ),
+        click.option(
+            "--starting-port",
+            type=click.IntRange(1, 65535),
+            default=None,
+            help="First ring port (counts up per rank); default: free ports on this "
+            "machine, 32323 on remote hosts.",
+        ),
+        click.option(
+            "--connections-per-ip",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Ring sockets per address.",
+        ),
+        click.option(
+            "-v",
+            "--verbose",
+            is_flag=True,
+            help="Show every rank's log lines on stderr, prefixed [rank k host].",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+@click.group()
+@click.version_option(__version__, prog_name="mlx-cluster")
+def cli():
+    """Run one language model across several Apple Silicon Macs (or ranks of this machine)."""
+
+
+@cli.command()
+@click.argument("prompt", required=False)
+@launch_options
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Most tokens to generate.",
+)
+@click.option(
+    "--temp",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Sampling temperature; 0 is greedy.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=None,
+    help="Random seed, shared by every rank (default: a random one).",
+)
+def launch(
+    prompt,
+    hostfile,
+    num_ranks,
+    model,
+    mode,
+    backend,
+    starting_port,
+    connections_per_ip,
+    verbose,
+    max_tokens,
+    temp,
+    seed,
+):
+    """Generate a reply to PROMPT on every rank in lockstep; rank 0's text goes to stdout.
+
+    PROMPT '-' or absent reads the prompt from stdin. The prompt goes through the model's chat
+    template when it has one (as mlx_lm.generate does). stdout carries exactly the generated
+    text; progress and stats go to stderr.
+
+    \b
+    Examples:
+      mlx-cluster launch "Tell me about lists"
+      mlx-cluster launch -n 3 --mode tensor --model ./my-model "Hi"
+      mlx-cluster launch --hostfile hostfiles/thunderbolt-ring.yaml --model mlx-community/... -
+    """
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty():
+            click.echo("mlx-cluster: reading the prompt from stdin (end with Ctrl-D)", err=True)
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise click.UsageError("the prompt is empty")
+    try:
+        hf = resolve_hostfile(hostfile, num_ranks, backend)
+    except HostfileError as e:
+        raise click.UsageError(str(e)) from None
+    options = JobOptions(
+        model=model or str(default_model_path()),
+        prompt=prompt,
+        mode=mode,
+        max_tokens=max_tokens,
+        temp=temp,
+        seed=seed,
+        verbose=verbose,
+        starting_port=starting_port,
+        connections_per_ip=connections_per_ip,
+    )
+    try:
+        run_job(hf, options, started=STARTED)
+    except LaunchError as e:
+        if str(e):
+            click.echo(str(e), err=True)
+        sys.exit(e.exit_code)
+
+
+def main():
+    cli()
+
+
+if __name__ == "__main__":
+    main()

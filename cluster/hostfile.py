@@ -1,0 +1,277 @@
+"""Hostfiles: which hosts run ranks, how to reach them, and what the collective uses.
+
+Two formats are read: our YAML (see docs/hostfile.md) and the JSON that ``mlx.launch`` takes (a
+list of ``{ssh, ips, rdma}`` or ``{backend, envs, hosts}``). Every error names the file, the host
+(index and name) and the field, so a typo on the fifth Mac is found without guessing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BACKENDS = ("ring", "jaccl", "jaccl-ring")
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+TOP_KEYS = ("backend", "python", "env", "ssh", "hosts")
+HOST_KEYS = ("ssh", "ips", "rdma", "slots", "memory_gb", "python", "cwd")
+SSH_KEYS = ("user", "port", "identity_file", "known_hosts")
+
+
+class HostfileError(ValueError):
+    """A hostfile that cannot be used; the message says where and why."""
+
+
+@dataclass
+class SSHOptions:
+    user: str | None = None
+    port: int | None = None
+    identity_file: str | None = None
+    known_hosts: str | None = None
+
+
+@dataclass
+class Host:
+    index: int
+    target: str  # the ssh target as written
+    hostname: str
+    user: str | None = None
+    port: int | None = None
+    ips: list[str] = field(default_factory=list)
+    rdma: list[Any] = field(default_factory=list)
+    slots: int = 1
+    memory_gb: float | None = None
+    python: str | None = None
+    cwd: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        """This machine, reached without SSH (an explicit port means: go through sshd)."""
+        return self.hostname in LOCAL_NAMES and self.port is None and self.user is None
+
+    @property
+    def label(self) -> str:
+        return f"host {self.index} ({self.target})"
+
+
+@dataclass
+class Hostfile:
+    hosts: list[Host]
+    backend: str = "ring"
+    python: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    ssh: SSHOptions = field(default_factory=SSHOptions)
+    path: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return sum(h.slots for h in self.hosts)
+
+    def rank_hosts(self) -> list[Host]:
+        """The host of each rank, in rank order (a host with slots=k holds k consecutive ranks)."""
+        return [h for h in self.hosts for _ in range(h.slots)]
+
+
+def local_hostfile(num_ranks: int, backend: str = "ring") -> Hostfile:
+    """``-n N`` without a hostfile: N ranks on this machine (the same as hostfiles/local.yaml)."""
+    if num_ranks < 1:
+        raise HostfileError(f"--num-ranks must be at least 1, got {num_ranks}")
+    host = Host(0, "localhost", "localhost", ips=["127.0.0.1"], slots=num_ranks)
+    return Hostfile([host], backend=backend, path=None)
+
+
+def split_target(target: str) -> tuple[str | None, str, int | None]:
+    """``user@host:port`` -> (user, host, port); ``[::1]:22`` works for IPv6."""
+    user = None
+    if "@" in target:
+        user, target = target.rsplit("@", 1)
+        if not user:
+            raise ValueError("empty user before '@'")
+    port = None
+    if target.startswith("["):
+        host, _, rest = target[1:].partition("]")
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError(f"unexpected text after ']': {rest!r}")
+            port = _port(rest[1:])
+    elif target.count(":") == 1:
+        host, p = target.split(":")
+        port = _port(p)
+    else:
+        host = target
+    if not host:
+        raise ValueError("empty host name")
+    return user, host, port
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"port must be a number from 1 to 65535, got {text!r}")
+    return int(text)
+
+
+def load_hostfile(path: str | os.PathLike) -> Hostfile:
+    """Read and validate a YAML or mlx.launch JSON hostfile."""
+    path = Path(path)
+    if not path.exists():
+        raise HostfileError(f"{path}: hostfile not found")
+    if path.is_dir():
+        raise HostfileError(f"{path}: is a directory, not a hostfile")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise HostfileError(
+            f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}"
+        ) from None
+    return parse_hostfile(data, str(path))
+
+
+def parse_hostfile(data: Any, where: str = "<hostfile>") -> Hostfile:
+    """Validate already-parsed YAML/JSON. ``where`` is the file name used in errors."""
+
+    def fail(msg: str) -> HostfileError:
+        return HostfileError(f"{where}: {msg}")
+
+    if isinstance(data, list):  # mlx.launch: a bare list of hosts
+        data = {"hosts": data}
+    if not isinstance(data, dict):
+        raise fail("expected a mapping with 'hosts:' (or a list of hosts)")
+    if "envs" in data:  # mlx.launch JSON: envs is a list of NAME=value
+        envs = data.pop("envs")
+        if not isinstance(envs, list) or not all(isinstance(e, str) and "=" in e for e in envs):
+            raise fail("field 'envs' must be a list of 'NAME=value' strings")
+        data.setdefault("env", dict(e.split("=", 1) for e in envs))
+    unknown = sorted(set(data) - set(TOP_KEYS))
+    if unknown:
+        raise fail(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(TOP_KEYS)}")
+
+    backend = data.get("backend") or "ring"
+    if backend not in BACKENDS:
+        raise fail(
+            f"field 'backend': unknown backend {backend!r}; use one of {', '.join(BACKENDS)}"
+        )
+    python = _opt_str(data.get("python"), "python", fail)
+    env = data.get("env") or {}
+    if not isinstance(env, dict):
+        raise fail("field 'env' must be a mapping of NAME: value")
+    env = {str(k): str(v) for k, v in env.items()}
+    ssh = _ssh_options(data.get("ssh") or {}, fail)
+
+    raw_hosts = data.get("hosts")
+    if not isinstance(raw_hosts, list) or not raw_hosts:
+        raise fail("field 'hosts' must be a non-empty list")
+    hosts = [_host(i, h, where) for i, h in enumerate(raw_hosts)]
+    hostfile = Hostfile(hosts, backend, python, env, ssh, where)
+    _check_rdma(hostfile, where)
+    return hostfile
+
+
+def _opt_str(value: Any, name: str, fail) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise fail(f"field '{name}' must be a non-empty string")
+    return value
+
+
+def _ssh_options(raw: Any, fail) -> SSHOptions:
+    if not isinstance(raw, dict):
+        raise fail("field 'ssh' must be a mapping (user, port, identity_file, known_hosts)")
+    unknown = sorted(set(raw) - set(SSH_KEYS))
+    if unknown:
+        raise fail(
+            f"field 'ssh': unknown key(s) {', '.join(unknown)}; known: {', '.join(SSH_KEYS)}"
+        )
+    port = raw.get("port")
+    if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
+        raise fail(f"field 'ssh.port' must be a number from 1 to 65535, got {port!r}")
+    return SSHOptions(
+        user=_opt_str(raw.get("user"), "ssh.user", fail),
+        port=port,
+        identity_file=_opt_str(raw.get("identity_file"), "ssh.identity_file", fail),
+        known_hosts=_opt_str(raw.get("known_hosts"), "ssh.known_hosts", fail),
+    )
+
+
+def _host(index: int, raw: Any, where: str) -> Host:
+    if isinstance(raw, str):
+        raw = {"ssh": raw}
+    name = raw.get("ssh") if isinstance(raw, dict) else None
+
+    def fail(msg: str) -> HostfileError:
+        return HostfileError(f"{where}: host {index} ({name or '?'}): {msg}")
+
+    if not isinstance(raw, dict):
+        raise fail("must be a mapping with at least 'ssh:'")
+    unknown = sorted(set(raw) - set(HOST_KEYS))
+    if unknown:
+        raise fail(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(HOST_KEYS)}")
+    if not isinstance(name, str) or not name:
+        raise fail("field 'ssh' (the host to reach) is missing or empty")
+    try:
+        user, hostname, port = split_target(name)
+    except ValueError as e:
+        raise fail(f"field 'ssh': {e}") from None
+
+    ips = raw.get("ips") or []
+    if isinstance(ips, str):
+        ips = [ips]
+    if not isinstance(ips, list) or not all(isinstance(ip, str) and ip for ip in ips):
+        raise fail("field 'ips' must be a list of addresses")
+    if not ips and hostname in LOCAL_NAMES:
+        ips = ["127.0.0.1" if hostname != "::1" else "::1"]
+
+    slots = raw.get("slots", 1)
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+        raise fail(f"field 'slots' must be a whole number >= 1, got {slots!r}")
+    memory_gb = raw.get("memory_gb")
+    if memory_gb is not None and (not isinstance(memory_gb, (int, float)) or memory_gb <= 0):
+        raise fail(f"field 'memory_gb' must be a positive number, got {memory_gb!r}")
+    rdma = raw.get("rdma") or []
+    if not isinstance(rdma, list):
+        raise fail("field 'rdma' must be a list with one device (or null) per rank")
+
+    return Host(
+        index=index,
+        target=name,
+        hostname=hostname,
+        user=user,
+        port=port,
+        ips=list(ips),
+        rdma=rdma,
+        slots=slots,
+        memory_gb=memory_gb,
+        python=_opt_str(raw.get("python"), "python", fail),
+        cwd=_opt_str(raw.get("cwd"), "cwd", fail),
+    )
+
+
+def _check_rdma(hostfile: Hostfile, where: str) -> None:
+    """The rdma matrix must be N x N; the pair-by-pair checks live with the jaccl backend."""
+    if not any(h.rdma for h in hostfile.hosts):
+        return
+    n = len(hostfile.hosts)
+    for h in hostfile.hosts:
+        if h.slots != 1:
+            raise HostfileError(f"{where}: {h.label}: field 'slots': rdma hosts run one rank each")
+        if len(h.rdma) != n:
+            raise HostfileError(
+                f"{where}: {h.label}: field 'rdma' has {len(h.rdma)} entries; "
+                f"it needs one per host ({n}), null for itself"
+            )
+        for j, dev in enumerate(h.rdma):
+            ok = (
+                dev is None
+                or isinstance(dev, str)
+                or (isinstance(dev, list) and all(isinstance(d, str) for d in dev))
+            )
+            if not ok:
+                raise HostfileError(
+                    f"{where}: {h.label}: field 'rdma[{j}]' must be a device name, "
+                    f"a list of names, or null; got {dev!r}"
+                )

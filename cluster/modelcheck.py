@@ -1,0 +1,101 @@
+"""Checks on a model checkpoint that need only its config.json: run before any rank starts.
+
+Pure Python on purpose: the launcher calls it on this machine before starting ranks, and every
+rank calls it again on its own host (where the model may live only there) before reading weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+MODES = ("pipeline", "tensor")
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded or sharded as asked; the message says why."""
+
+
+def default_model_path() -> Path:
+    """The tiny Llama that ships inside the package (node/default_model)."""
+    return Path(__file__).resolve().parent.parent / "node" / "default_model"
+
+
+def looks_like_repo(name: str) -> bool:
+    """``org/name`` with no local directory of that name: a Hugging Face repo id."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
+
+
+def read_config(model_dir: Path, require_weights: bool = True) -> dict[str, Any]:
+    """config.json of a local checkpoint, with clear errors for the usual wrong paths."""
+    if model_dir.is_file():
+        if model_dir.suffix == ".gguf":
+            raise ModelError(
+                f"{model_dir}: GGUF files are not supported; convert the model with "
+                "`mlx_lm.convert` or use an MLX checkpoint from mlx-community"
+            )
+        raise ModelError(f"{model_dir}: is a file; --model wants a checkpoint directory")
+    if not model_dir.exists():
+        raise ModelError(f"{model_dir}: no such model directory")
+    config_path = model_dir / "config.json"
+    if not config_path.exists():
+        raise ModelError(f"{model_dir}: not an MLX/Hugging Face checkpoint (no config.json)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{config_path}: not valid JSON: {e}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelError(f"{config_path}: has no 'model_type'; not a transformers config")
+    if require_weights and not list(model_dir.glob("*.safetensors")):
+        raise ModelError(
+            f"{model_dir}: no .safetensors weights (an MLX checkpoint has "
+            "model*.safetensors; convert PyTorch .bin checkpoints with mlx_lm.convert)"
+        )
+    return config
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of the config (VLM configs nest it under text_config)."""
+    return {**config, **config.get("text_config", {})}
+
+
+def check_shardable(config: dict[str, Any], mode: str, num_ranks: int) -> None:
+    """Raise ModelError when ``num_ranks`` cannot split this model in ``mode``; name the numbers."""
+    if mode not in MODES:
+        raise ModelError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    if num_ranks < 2:
+        return
+    cfg = text_config(config)
+    layers = cfg.get("num_hidden_layers") or cfg.get("n_layers") or cfg.get("num_layers")
+    if mode == "pipeline":
+        if layers is not None and num_ranks > layers:
+            raise ModelError(
+                f"pipeline mode needs at least one layer per rank: the model has {layers} "
+                f"layers but {num_ranks} ranks were asked for; use at most {layers} ranks"
+            )
+        return
+    heads = cfg.get("num_attention_heads")
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    checks = [
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", kv_heads),
+        ("intermediate_size", cfg.get("intermediate_size")),
+    ]
+    bad = [
+        f"{name}={value}" for name, value in checks if isinstance(value, int) and value % num_ranks
+    ]
+    if bad:
+        fits = [
+            n for n in range(2, 9) if all(not isinstance(v, int) or v % n == 0 for _, v in checks)
+        ]
+        hint = (
+            f"rank counts that divide them: {', '.join(map(str, fits))}"
+            if fits
+            else "no rank count from 2 to 8 divides them"
+        )
+        raise ModelError(
+            f"tensor mode splits heads and hidden sizes across ranks, but {', '.join(bad)} "
+            f"{'is' if len(bad) == 1 else 'are'} not divisible by {num_ranks} ranks ({hint}); "
+            "or use --mode pipeline"
+        )

@@ -1,0 +1,138 @@
+"""Rank processes behind one small interface: start, stream output, signal, wait.
+
+A local rank is a subprocess in its own session (so Ctrl-C at the terminal reaches only the
+launcher, which then stops the ranks itself). A remote rank over SSH implements the same
+methods. Output arrives as items on a queue shared by all ranks:
+``("out", rank, bytes)``, ``("err", rank, str)`` and finally ``("exit", rank, code)``, the exit
+coming only after all of that rank's output.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .hostfile import Host
+
+
+@dataclass
+class RankLaunch:
+    """Everything needed to start one rank on its host."""
+
+    rank: int
+    host: Host
+    python: str
+    env: dict[str, str]
+    files: dict[str, str]  # env var -> file text; written on the host, var set to its path
+    spec: str  # job spec JSON text
+    cwd: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def node_command(python: str, spec_path: str) -> list[str]:
+    return [python, "-m", "node", "run", "--spec", spec_path]
+
+
+class LocalRank:
+    """A rank on this machine: ``python -m node run`` as a subprocess."""
+
+    def __init__(self, launch: RankLaunch, job_dir: Path):
+        self.launch = launch
+        self.rank = launch.rank
+        self.host = launch.host
+        self.dir = job_dir / f"rank{launch.rank}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, events: queue.Queue) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        env = dict(os.environ)
+        env.update(self.launch.extra_env)
+        env.update(self.launch.env)
+        for var, text in self.launch.files.items():
+            path = self.dir / f"{var.lower()}.json"
+            path.write_text(text)
+            env[var] = str(path)
+        spec_path = self.dir / "job.json"
+        spec_path.write_text(self.launch.spec)
+        os.chmod(spec_path, 0o600)
+        env["PYTHONUNBUFFERED"] = "1"
+        self.proc = subprocess.Popen(
+            node_command(self.launch.python, str(spec_path)),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=self.launch.cwd,
+            start_new_session=True,
+        )
+        readers = [
+            threading.Thread(
+                target=_pump_bytes, args=(self.proc.stdout, self.rank, events), daemon=True
+            ),
+            threading.Thread(
+                target=_pump_lines, args=(self.proc.stderr, self.rank, events), daemon=True
+            ),
+        ]
+        for t in readers:
+            t.start()
+
+        def wait():
+            for t in readers:
+                t.join()
+            events.put(("exit", self.rank, self.proc.wait()))
+
+        threading.Thread(target=wait, daemon=True).start()
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the rank's whole process group (the rank and anything it started)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _pump_bytes(stream, rank: int, events: queue.Queue) -> None:
+    fd = stream.fileno()
+    while chunk := os.read(fd, 65536):
+        events.put(("out", rank, chunk))
+    stream.close()
+
+
+def _pump_lines(stream, rank: int, events: queue.Queue) -> None:
+    for raw in iter(stream.readline, b""):
+        events.put(("err", rank, raw.decode("utf-8", "replace")))
+    stream.close()
+
+
+def make_job_dir() -> Path:
+    """A private directory for this job's files on this machine."""
+    return Path(tempfile.mkdtemp(prefix="mlx-cluster-job-"))
+
+
+def local_python(host: Host, default: str | None) -> str:
+    """The interpreter of a local rank: per-host, then hostfile-wide, then our own."""
+    return host.python or default or sys.executable

@@ -1,0 +1,1 @@
+"""mlx-cluster's rank process: one per rank, started as ``python -m node run --spec FILE``."""

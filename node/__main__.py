@@ -1,0 +1,98 @@
+"""A rank: ``python -m node run --spec JOB.json``.
+
+stdout carries only generated text (rank 0); stderr carries logs and one-line JSON events for
+the launcher. Exit codes: 0 done, 1 this rank failed, 3 this rank stopped because rank 0 failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+
+from cluster.modelcheck import ModelError
+from cluster.protocol import encode_event
+
+EXIT_FAILED = 1
+EXIT_PEER_FAILED = 3
+
+
+class PeerFailed(RuntimeError):
+    """Rank 0 told the others that it could not go on."""
+
+
+def emit(kind: str, **fields) -> None:
+    sys.stderr.write(encode_event(kind, **fields))
+    sys.stderr.flush()
+
+
+def write_text(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def run(spec: dict) -> None:
+    from .dist import barrier, init_group
+    from .generate import generate, make_request
+    from .load import load_shard
+    from .share import share_object
+
+    emit("phase", phase="init")
+    group = init_group(spec["world_size"])
+    rank = group.rank()
+    emit("phase", phase="loading")
+    tic = time.perf_counter()
+    loaded = load_shard(spec["model"], spec["mode"], group, spec.get("split"))
+    barrier(group)
+    emit("ready", load_s=time.perf_counter() - tic, layers=loaded.layers, files=loaded.files)
+
+    if spec.get("command", "generate") != "generate":
+        raise ValueError(f"unknown command {spec.get('command')!r}")
+    request = None
+    if rank == 0:
+        try:
+            r = spec["request"]
+            request = make_request(
+                loaded.tokenizer, r["prompt"], r["max_tokens"], r["temp"], r.get("seed")
+            )
+        except Exception as e:  # tell the other ranks before failing, so none waits forever
+            share_object({"error": f"{type(e).__name__}: {e}"}, group)
+            raise
+    request = share_object(request, group)
+    if "error" in request:
+        raise PeerFailed(f"rank 0 failed to prepare the request: {request['error']}")
+    emit("phase", phase="generating", prompt_tokens=len(request["tokens"]))
+    stats = generate(loaded.model, loaded.tokenizer, request, write_text if rank == 0 else None)
+    barrier(group)
+    if rank == 0:
+        emit("stats", **stats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m node", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run_p = sub.add_parser("run", help="run one rank of a job")
+    run_p.add_argument("--spec", required=True, help="path of the job spec (JSON)")
+    args = parser.parse_args(argv)
+    try:
+        with open(args.spec) as f:
+            spec = json.load(f)
+        run(spec)
+    except PeerFailed as e:
+        emit("error", message=str(e), peer=True)
+        return EXIT_PEER_FAILED
+    except (ModelError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        emit("error", message=str(e))
+        return EXIT_FAILED
+    except Exception as e:
+        traceback.print_exc()
+        emit("error", message=f"{type(e).__name__}: {e}")
+        return EXIT_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

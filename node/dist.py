@@ -1,0 +1,34 @@
+"""Joining the job's distributed group, with the backend chosen from the environment."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+
+def backend_from_env(env: dict[str, str] | None = None) -> str:
+    """jaccl when the launcher gave a coordinator and an IBV device matrix, ring otherwise."""
+    env = os.environ if env is None else env
+    if env.get("MLX_JACCL_COORDINATOR") and env.get("MLX_IBV_DEVICES"):
+        return "jaccl"
+    return "ring"
+
+
+def init_group(world_size: int) -> mx.distributed.Group:
+    """The job's group; a 1-rank job gets MLX's singleton group without any backend."""
+    if world_size == 1:
+        return mx.distributed.init()
+    group = mx.distributed.init(backend=backend_from_env(), strict=True)
+    if group.size() != world_size:
+        raise RuntimeError(
+            f"joined a group of {group.size()} ranks but the job has {world_size}; "
+            "check MLX_HOSTFILE / MLX_IBV_DEVICES"
+        )
+    return group
+
+
+def barrier(group: mx.distributed.Group) -> None:
+    """Every rank reaches this point before any leaves it."""
+    if group.size() > 1:
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))

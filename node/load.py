@@ -1,0 +1,137 @@
+"""Load this rank's share of a model: pipeline stage or tensor shard.
+
+A pipeline rank opens only the safetensors files that hold its layers (plus the ones with the
+embeddings, final norm and head); a tensor rank loads lazily and shards before any weight is
+materialised, so each rank's memory is about its share of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import load_model, load_tokenizer
+
+from cluster.modelcheck import ModelError, check_shardable, looks_like_repo, read_config
+
+from .stage import apply_stages, pipeline_range
+
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+META_PATTERNS = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jsonl", "*.jinja"]
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    tokenizer: Any
+    config: dict
+    layers: tuple[int, int] | None  # this rank's pipeline range
+    files: list[str]  # weight files this rank opened
+
+
+def resolve_model(ref: str, allow_patterns: list[str] | None = None) -> Path:
+    """A local checkpoint directory, or a Hugging Face repo fetched (or found in the cache)."""
+    path = Path(ref).expanduser()
+    if path.exists() or not looks_like_repo(ref):
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(ref, allow_patterns=allow_patterns))
+    except Exception as e:  # the hub client raises many kinds; all mean "not here"
+        raise ModelError(
+            f"{ref}: not a local directory, and it could not be fetched from the Hugging Face "
+            f"hub ({type(e).__name__}: {e}); copy the model to this host and pass its path"
+        ) from e
+
+
+def weight_files_for_layers(model_dir: Path, start: int, end: int) -> list[str]:
+    """Safetensors files holding layers [start, end) or weights outside the layers."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if not index_path.exists():
+        return sorted(p.name for p in model_dir.glob("model*.safetensors"))
+    weight_map = json.loads(index_path.read_text())["weight_map"]
+    files = set()
+    for name, file in weight_map.items():
+        m = LAYER_RE.search(name)
+        if m is None or start <= int(m.group(1)) < end:
+            files.add(file)
+    return sorted(files)
+
+
+def _view(model_dir: Path, weight_files: list[str]) -> Path:
+    """A directory of links: every non-weight file plus only ``weight_files``.
+
+    mlx-lm's load_model reads every model*.safetensors in a directory; this lets a pipeline rank
+    give it just the files of its own layers without copying anything.
+    """
+    view = Path(tempfile.mkdtemp(prefix="mlx-cluster-view-"))
+    for p in model_dir.iterdir():
+        if p.suffix != ".safetensors" or p.name in weight_files:
+            (view / p.name).symlink_to(p.resolve())
+    return view
+
+
+def load_shard(ref: str, mode: str, group, split: list[int] | None = None) -> Loaded:
+    size, rank = group.size(), group.rank()
+    model_dir = resolve_model(ref, META_PATTERNS)
+    config = read_config(model_dir, require_weights=not looks_like_repo(ref))
+    check_shardable(config, mode, size)
+
+    layers = None
+    if mode == "pipeline" and size > 1:
+        num_layers = _num_layers(config)
+        layers = pipeline_range(num_layers, size, rank, split)
+        files = weight_files_for_layers(model_dir, *layers)
+        if looks_like_repo(ref):
+            model_dir = resolve_model(ref, META_PATTERNS + files)
+    else:
+        if looks_like_repo(ref):
+            model_dir = resolve_model(ref)
+        files = sorted(p.name for p in model_dir.glob("model*.safetensors"))
+
+    view = _view(model_dir, files)
+    try:
+        model, config = load_model(view, lazy=True, strict=False)
+    finally:
+        for p in view.iterdir():
+            p.unlink()
+        view.rmdir()
+
+    if size > 1 and mode == "tensor":
+        if not hasattr(model, "shard"):
+            raise ModelError(
+                f"model family {config['model_type']!r} has no tensor-parallel support in "
+                "mlx-lm; use --mode pipeline"
+            )
+        model.shard(group)
+    elif size > 1:
+        inner = getattr(model, "model", None)
+        if inner is None or not isinstance(getattr(inner, "layers", None), list):
+            raise ModelError(
+                f"model family {config['model_type']!r} has no model.model.layers list; "
+                "pipeline mode cannot split it (try --mode tensor)"
+            )
+        if hasattr(inner, "pipeline"):
+            inner.pipeline(group) if split is None else inner.pipeline(group, split=split)
+        else:
+            apply_stages(model, group, split)
+    mx.eval(model.parameters())
+    model.eval()
+
+    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    return Loaded(model, tokenizer, config, layers, files)
+
+
+def _num_layers(config: dict) -> int:
+    cfg = {**config, **config.get("text_config", {})}
+    n = cfg.get("num_hidden_layers") or cfg.get("n_layers") or cfg.get("num_layers")
+    if not isinstance(n, int):
+        raise ModelError(f"config of {config.get('model_type')!r} gives no num_hidden_layers")
+    return n

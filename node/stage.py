@@ -1,0 +1,174 @@
+"""Pipeline stages for model families that mlx-lm cannot pipeline itself (llama among them).
+
+The family's own ``__call__`` keeps running unchanged over the full list of layers. Layers of
+other ranks become pass-through placeholders that keep the plain attributes the family's loop
+reads (``use_sliding`` and the like). The first local layer receives the hidden state from the
+previous stage, the last local layer sends it on, and the model's last layer shares the final
+stage's hidden state with every rank before the final norm and head, so every rank computes the
+same logits and samples the same token. Ranks and layer order follow mlx-lm's ``PipelineMixin``:
+rank 0 holds the last layers, rank N-1 the first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, _BaseCache
+
+
+def pipeline_split(num_layers: int, size: int, split: list[int] | None = None) -> list[int]:
+    """Layers per rank; the even split gives the extra layers to the low ranks (as mlx-lm)."""
+    if split is None:
+        base, extra = divmod(num_layers, size)
+        split = [base + (1 if r < extra else 0) for r in range(size)]
+    if len(split) != size or any(s <= 0 for s in split) or sum(split) != num_layers:
+        raise ValueError(
+            f"split {split} must have {size} positive entries summing to {num_layers} layers"
+        )
+    return split
+
+
+def pipeline_range(num_layers: int, size: int, rank: int, split: list[int] | None = None):
+    """(start, end) of the layers this rank holds: rank r follows ranks r+1 ... size-1."""
+    split = pipeline_split(num_layers, size, split)
+    start = sum(split[rank + 1 :])
+    return start, start + split[rank]
+
+
+class PassThrough(nn.Module):
+    """A layer that another rank runs: hands the hidden state on unchanged, holds no weights."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        for name, value in vars(layer).items():
+            if not name.startswith("_"):
+                object.__setattr__(self, name, value)
+
+    def __call__(self, x, *args, **kwargs):
+        return x
+
+
+class StageLayer(nn.Module):
+    """A layer at a stage boundary: receive before it, send and/or share after it."""
+
+    def __init__(self, layer: nn.Module, group, recv_from=None, send_to=None, share=False):
+        super().__init__()
+        self.layer = layer
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "recv_from", recv_from)
+        object.__setattr__(self, "send_to", send_to)
+        object.__setattr__(self, "share", share)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            layer = dict.get(self, "layer")  # not self.layer: that would recurse
+            if layer is None:
+                raise
+            return getattr(layer, name)
+
+    def __call__(self, x, *args, **kwargs):
+        if self.recv_from is not None:
+            x = mx.distributed.recv_like(x, self.recv_from, group=self.group)
+        h = self.layer(x, *args, **kwargs)
+        if self.send_to is not None:
+            h = mx.distributed.send(h, self.send_to, group=self.group)
+            cache = _find_cache(args, kwargs)
+            if cache is not None:
+                _depend(cache, h)
+        if self.share:
+            h = mx.distributed.all_gather(h, group=self.group)[: h.shape[0]]
+        return h
+
+
+def _find_cache(args, kwargs):
+    cache = kwargs.get("cache")
+    if cache is None:
+        cache = next((a for a in args if isinstance(a, _BaseCache)), None)
+    return cache
+
+
+def _depend(cache, h: mx.array) -> None:
+    """Make the cache depend on the send: mlx-lm's prefill evaluates only the cache state, and
+    a send nobody evaluates never runs, leaving the next stage waiting forever."""
+    if getattr(cache, "keys", None) is not None:
+        cache.keys = mx.depends(cache.keys, h)
+    elif hasattr(cache, "cache") and cache.cache and cache.cache[-1] is not None:
+        cache.cache[-1] = mx.depends(cache.cache[-1], h)
+    else:
+        raise NotImplementedError(
+            f"cannot tie a pipeline send to a {type(cache).__name__}; this family needs tensor mode"
+        )
+
+
+class SkippedCache(_BaseCache):
+    """Cache slot of a layer another rank runs: stores nothing, reports a local twin's offset
+    so masks built from it (the family reads e.g. ``cache[fa_idx]``) stay right."""
+
+    def __init__(self, twin: Any):
+        self.twin = twin
+
+    @property
+    def offset(self):
+        return self.twin.offset
+
+    def make_mask(self, *args, **kwargs):
+        return self.twin.make_mask(*args, **kwargs)
+
+    @property
+    def state(self):
+        return []
+
+    @state.setter
+    def state(self, value):
+        pass
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        return n
+
+    def size(self):
+        return self.twin.size()
+
+    def empty(self):
+        return self.twin.empty()
+
+    @property
+    def nbytes(self):
+        return 0
+
+
+def apply_stages(model: nn.Module, group, split: list[int] | None = None) -> tuple[int, int]:
+    """Turn a loaded (lazy) model into this rank's pipeline stage in place; returns (start, end).
+
+    Call after the weights are loaded: the wrappers change parameter paths.
+    """
+    layers = model.model.layers
+    n, rank, size = len(layers), group.rank(), group.size()
+    start, end = pipeline_range(n, size, rank, split)
+    for i in range(n):
+        layer = layers[i] if start <= i < end else PassThrough(layers[i])
+        recv_from = rank + 1 if i == start and rank < size - 1 else None
+        send_to = rank - 1 if i == end - 1 and rank > 0 else None
+        share = i == n - 1
+        if recv_from is not None or send_to is not None or share:
+            layer = StageLayer(layer, group, recv_from, send_to, share)
+        layers[i] = layer
+
+    family_cache = getattr(model, "make_cache", None)
+
+    def make_cache():
+        caches = family_cache() if family_cache else [KVCache() for _ in layers]
+        local = caches[start:end]
+        for i in [*range(start), *range(end, n)]:
+            twin = next((c for c in local if type(c) is type(caches[i])), local[0])
+            caches[i] = SkippedCache(twin)
+        return caches
+
+    object.__setattr__(model, "make_cache", make_cache)
+    return start, end

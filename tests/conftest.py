@@ -1,0 +1,78 @@
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny import make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = shutil.which("mlx-cluster", path=str(Path(sys.executable).parent)) or "mlx-cluster"
+
+
+def rank_pids() -> list[int]:
+    """Every `python -m node run` process on this machine."""
+    out = subprocess.run(["pgrep", "-f", "--", "-m node run"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.fixture(autouse=True)
+def no_stray_ranks():
+    """Every test must leave no rank process behind; one that does fails (and is cleaned up)."""
+    before = set(rank_pids())
+    yield
+    left = [p for p in rank_pids() if p not in before]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"rank processes left running: {left}"
+
+
+def run_cli(*args, input=None, timeout=180, env=None):
+    """mlx-cluster as a user runs it, as a subprocess; stdout as bytes-decoded text."""
+    return subprocess.run(
+        [CLI, *map(str, args)],
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """Tiny float32 checkpoints: llama without and qwen2 with a chat template."""
+    base = tmp_path_factory.mktemp("models")
+    return {
+        "llama": make_model(base / "llama", "llama", seed=1),
+        "qwen2": make_model(base / "qwen2", "qwen2", seed=2, chat_template=True),
+    }
+
+
+_reference_cache: dict = {}
+
+
+def reference(model_dir: Path, prompt: str, max_tokens: int) -> str:
+    """What single-process mlx-lm generates, greedy, the way mlx_lm.generate builds the prompt."""
+    key = (str(model_dir), prompt, max_tokens)
+    if key not in _reference_cache:
+        from mlx_lm import generate, load
+        from mlx_lm.sample_utils import make_sampler
+
+        model, tokenizer = load(str(model_dir))
+        use_template = tokenizer.has_chat_template
+        text = prompt
+        if use_template:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        ids = tokenizer.encode(text, add_special_tokens=not use_template)
+        _reference_cache[key] = generate(
+            model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(0.0)
+        )
+    return _reference_cache[key]

@@ -1,0 +1,288 @@
+"""`mlx-cluster launch` end to end: real rank processes over the ring backend on loopback."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+
+import pytest
+from conftest import CLI, ROOT, rank_pids, reference, run_cli
+
+from cluster.modelcheck import default_model_path
+
+PROMPT = "Tell me about lists"
+TOKENS = 40
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_sharded_output_equals_single_process(models, family, ranks, mode):
+    expected = reference(models[family], PROMPT, TOKENS)
+    assert len(expected) > 20  # a real continuation, not an early EOS
+    p = run_cli(
+        "launch",
+        "-n",
+        ranks,
+        "--mode",
+        mode,
+        "--model",
+        models[family],
+        "--max-tokens",
+        TOKENS,
+        PROMPT,
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == expected
+    assert f"generated {TOKENS} tokens" in p.stderr
+
+
+def test_one_rank_equals_single_process(models):
+    p = run_cli("launch", "-n", 1, "--model", models["llama"], "--max-tokens", TOKENS, PROMPT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == reference(models["llama"], PROMPT, TOKENS)
+
+
+def test_default_command_uses_embedded_model():
+    """The README's command: no hostfile, no model: 2 ranks, pipeline, embedded model."""
+    p = run_cli("launch", "--max-tokens", 48, PROMPT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == reference(default_model_path(), PROMPT, 48)
+    words = p.stdout.split()
+    assert len(words) >= 10
+    assert sum(w.strip(".,:;()\"'").isalpha() for w in words) >= len(words) // 2  # English-like
+    assert "starting 2 rank(s), pipeline mode, ring backend" in p.stderr
+
+
+def test_prompt_from_stdin(models):
+    expected = reference(models["qwen2"], PROMPT, 16)
+    for args in (["-"], []):
+        p = run_cli("launch", "--model", models["qwen2"], "--max-tokens", 16, *args, input=PROMPT)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout == expected
+
+
+def test_local_yaml_hostfile_is_the_default(models):
+    p = run_cli(
+        "launch",
+        "--hostfile",
+        ROOT / "hostfiles" / "local.yaml",
+        "--model",
+        models["llama"],
+        "--max-tokens",
+        16,
+        PROMPT,
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == reference(models["llama"], PROMPT, 16)
+
+
+def test_mlx_launch_json_hostfile(models, tmp_path):
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(
+        json.dumps(
+            {
+                "backend": "ring",
+                "envs": ["MLX_CLUSTER_TEST=1"],
+                "hosts": [
+                    {"ssh": "localhost", "ips": ["127.0.0.1"]},
+                    {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},
+                ],
+            }
+        )
+    )
+    p = run_cli(
+        "launch", "--hostfile", hostfile, "--model", models["llama"], "--max-tokens", 16, PROMPT
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == reference(models["llama"], PROMPT, 16)
+
+
+# --- bad input: a clear error, a non-zero exit, never a hang, never a stray process ---------
+
+
+def test_missing_hostfile(tmp_path):
+    p = run_cli("launch", "--hostfile", tmp_path / "nope.yaml", PROMPT)
+    assert p.returncode == 2
+    assert "nope.yaml: hostfile not found" in p.stderr
+
+
+def test_malformed_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hosts: [ {ssh: a\n")
+    p = run_cli("launch", "--hostfile", bad, PROMPT)
+    assert p.returncode == 2
+    assert "bad.yaml: not valid YAML" in p.stderr
+
+
+def test_bad_host_field_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hosts:\n  - ssh: localhost\n  - ssh: studio-2.local\n    slots: zero\n")
+    p = run_cli("launch", "--hostfile", bad, PROMPT)
+    assert p.returncode == 2
+    assert "bad.yaml: host 1 (studio-2.local): field 'slots'" in p.stderr
+
+
+def test_unknown_backend(tmp_path):
+    p = run_cli("launch", "--backend", "mpi", PROMPT)
+    assert p.returncode == 2
+    assert "'mpi' is not one of 'ring', 'jaccl', 'jaccl-ring'" in p.stderr
+    hf = tmp_path / "h.yaml"
+    hf.write_text("backend: nccl\nhosts: [localhost]\n")
+    p = run_cli("launch", "--hostfile", hf, PROMPT)
+    assert p.returncode == 2
+    assert "field 'backend': unknown backend 'nccl'" in p.stderr
+
+
+def test_jaccl_needs_one_rank_per_host_and_rdma(tmp_path):
+    p = run_cli("launch", "--backend", "jaccl", PROMPT)
+    assert p.returncode == 2
+    assert "field 'slots': jaccl runs one rank per host" in p.stderr
+    hf = tmp_path / "h.yaml"
+    hf.write_text("backend: jaccl-ring\nhosts: [localhost, 127.0.0.1]\n")
+    p = run_cli("launch", "--hostfile", hf, PROMPT)
+    assert p.returncode == 2
+    assert "field 'rdma' is required by jaccl-ring on host 0 (localhost), host 1" in p.stderr
+
+
+def test_model_path_missing(tmp_path):
+    p = run_cli("launch", "--model", tmp_path / "no-such-model", PROMPT)
+    assert p.returncode == 2
+    assert "no-such-model: no such model directory" in p.stderr
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    p = run_cli("launch", "--model", tmp_path, PROMPT)
+    assert p.returncode == 2
+    assert "not an MLX/Hugging Face checkpoint (no config.json)" in p.stderr
+
+
+def test_more_ranks_than_layers(models):
+    p = run_cli("launch", "-n", 7, "--model", models["llama"], PROMPT)
+    assert p.returncode == 2
+    assert "the model has 6 layers but 7 ranks were asked for" in p.stderr
+
+
+def test_heads_not_divisible(models):
+    p = run_cli("launch", "-n", 4, "--mode", "tensor", "--model", models["llama"], PROMPT)
+    assert p.returncode == 2
+    assert "num_attention_heads=6, num_key_value_heads=6 are not divisible by 4 ranks" in p.stderr
+
+
+def test_port_already_taken(models):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = run_cli("launch", "--starting-port", port, "--model", models["llama"], PROMPT)
+    assert p.returncode == 2
+    assert f"port {port} on 127.0.0.1 (rank 0, host 0 (localhost)) is already in use" in p.stderr
+
+
+def test_rank_crash_while_loading(models, tmp_path):
+    """Rank 1 alone reads the file of layers 0-1; it is truncated, so only rank 1 fails."""
+    broken = tmp_path / "broken"
+    shutil.copytree(models["llama"], broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    victim = broken / index["weight_map"]["model.layers.0.self_attn.q_proj.weight"]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    p = run_cli("launch", "--model", broken, "--max-tokens", 8, PROMPT, timeout=120)
+    assert p.returncode == 1
+    assert "error: rank 1 of 2 on localhost exited with code 1 while loading the model" in p.stderr
+    assert "last lines of rank 1 (localhost)" in p.stderr
+    assert "every other rank was stopped" in p.stderr
+    assert p.stdout == ""
+
+
+def test_empty_prompt():
+    p = run_cli("launch", input="  \n")
+    assert p.returncode == 2
+    assert "the prompt is empty" in p.stderr
+
+
+def test_help_explains_options():
+    p = run_cli("launch", "--help")
+    assert p.returncode == 0
+    for option in (
+        "--hostfile",
+        "--num-ranks",
+        "--model",
+        "--mode",
+        "--backend",
+        "--max-tokens",
+        "--temp",
+        "--seed",
+        "--verbose",
+    ):
+        assert option in p.stdout
+
+
+# --- teardown: every rank stops when the user interrupts or any rank dies -------------------
+
+
+def start_long_job(model):
+    """A job that generates far longer than the test waits; returns once text is streaming."""
+    proc = subprocess.Popen(
+        [CLI, "launch", "--model", str(model), "--max-tokens", "1000000", PROMPT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    first = proc.stdout.read(1)  # blocks until rank 0 streams its first byte
+    assert first, proc.stderr.read().decode()
+    return proc
+
+
+def finish(proc, timeout=20):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err.decode()
+
+
+def test_ctrl_c_stops_every_rank(models):
+    proc = start_long_job(models["llama"])
+    assert len(rank_pids()) == 2
+    proc.send_signal(signal.SIGINT)
+    code, err = finish(proc)
+    assert code == 130
+    assert "stopped by SIGINT; all ranks stopped" in err
+    assert rank_pids() == []
+
+
+def test_sigterm_stops_every_rank(models):
+    proc = start_long_job(models["llama"])
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc)
+    assert code == 128 + signal.SIGTERM
+    assert rank_pids() == []
+
+
+def test_killed_rank_mid_generation_stops_the_job(models):
+    proc = start_long_job(models["llama"])
+    victim = subprocess.run(
+        ["pgrep", "-f", "--", "rank1/job.json"], capture_output=True, text=True
+    ).stdout.split()
+    assert len(victim) == 1
+    os.kill(int(victim[0]), signal.SIGKILL)
+    code, err = finish(proc)
+    assert code == 1
+    assert "error: rank 1 of 2 on localhost was killed by signal 9 while generating" in err
+    assert rank_pids() == []
+
+
+def test_closed_stdout_stops_every_rank(models):
+    """`mlx-cluster launch ... | head -c 20`: the reader leaves, the ranks stop, no traceback."""
+    p = subprocess.run(
+        f"'{CLI}' launch --model '{models['llama']}' --max-tokens 1000000 hi | head -c 20; "
+        "exit ${PIPESTATUS[0]}",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 141, p.stderr
+    assert "Traceback" not in p.stderr
+    assert rank_pids() == []

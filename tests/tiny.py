@@ -1,0 +1,120 @@
+"""Tiny random models laid out exactly as a converted MLX checkpoint: config.json, tokenizer,
+sharded safetensors with model.safetensors.index.json. float32, so sharded and single-process
+greedy decoding agree token for token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+EOS = "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+FAMILIES = {
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 96,
+        "num_hidden_layers": 6,
+        "intermediate_size": 192,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 6,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        "model_type": "qwen2",
+        "hidden_size": 96,
+        "num_hidden_layers": 6,
+        "intermediate_size": 240,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 6,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 512,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def train_tokenizer(out: Path, vocab_size: int = 512, chat_template: str | None = None):
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(topics.values())[:20], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(out)
+    return fast
+
+
+def layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    if "layers" in parts:
+        return int(parts[parts.index("layers") + 1])
+    return None
+
+
+def save_sharded(weights: dict[str, mx.array], out: Path, layers_per_file: int = 2) -> None:
+    """Embeddings in the first file, ``layers_per_file`` layers per file, norm and head last."""
+    groups: dict[int, dict] = {}
+    for name, w in weights.items():
+        layer = layer_of(name)
+        if layer is None:
+            key = -1 if "embed" in name else 10**6
+        else:
+            key = layer // layers_per_file
+        groups.setdefault(key, {})[name] = w
+    ordered = [groups[k] for k in sorted(groups)]
+    total = len(ordered)
+    weight_map = {}
+    for i, group in enumerate(ordered, start=1):
+        fname = f"model-{i:05d}-of-{total:05d}.safetensors"
+        mx.save_safetensors(str(out / fname), group, metadata={"format": "mlx"})
+        weight_map.update({name: fname for name in group})
+    size = sum(w.nbytes for w in weights.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=2)
+    )
+
+
+def make_model(
+    out: Path, family: str = "llama", seed: int = 0, chat_template: bool = False, **overrides
+) -> Path:
+    """Write a random float32 ``family`` model to ``out`` and return ``out``."""
+    from mlx_lm.utils import _get_classes
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**FAMILIES[family], **overrides}
+    tokenizer = train_tokenizer(out, config["vocab_size"], CHAT_TEMPLATE if chat_template else None)
+    config["eos_token_id"] = tokenizer.eos_token_id
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    # Wider than the usual init so logits have clear winners (no near-ties for greedy).
+    params = tree_map(lambda p: p * 8 if p.ndim == 2 else p, model.parameters())
+    model.update(params)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    save_sharded(weights, out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
