@@ -33,14 +33,17 @@ def no_stray_ranks():
 
 
 def run_cli(*args, input=None, timeout=180, env=None):
-    """mlx-cluster as a user runs it, as a subprocess; stdout as bytes-decoded text."""
-    return subprocess.run(
+    """mlx-cluster as a user runs it. stdout and stderr decoded as UTF-8 with no newline
+    translation (text mode would turn a generated "\\r" into "\\n")."""
+    p = subprocess.run(
         [CLI, *map(str, args)],
-        input=input,
+        input=None if input is None else input.encode(),
         capture_output=True,
-        text=True,
         timeout=timeout,
         env={**os.environ, **(env or {})},
+    )
+    return subprocess.CompletedProcess(
+        p.args, p.returncode, p.stdout.decode("utf-8"), p.stderr.decode("utf-8", "replace")
     )
 
 

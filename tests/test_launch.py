@@ -286,3 +286,35 @@ def test_closed_stdout_stops_every_rank(models):
     assert p.returncode == 141, p.stderr
     assert "Traceback" not in p.stderr
     assert rank_pids() == []
+
+
+def test_seeded_sampling_agrees_across_ranks_and_runs(models):
+    """temp > 0: the shared seed makes every rank pick the same token, and runs repeat."""
+    import mlx.core as mx
+    from mlx_lm import generate, load
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = load(str(models["llama"]))
+    mx.random.seed(7)
+    expected = generate(
+        model, tokenizer, tokenizer.encode(PROMPT), max_tokens=24, sampler=make_sampler(0.8)
+    )
+    args = [
+        "launch",
+        "--model",
+        models["llama"],
+        "--max-tokens",
+        24,
+        "--temp",
+        0.8,
+        "--seed",
+        7,
+        PROMPT,
+    ]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == expected
+    for mode in ("pipeline", "tensor"):
+        again = run_cli(*args, "--mode", mode)
+        assert again.returncode == 0, again.stderr
+        assert again.stdout == run_cli(*args, "--mode", mode).stdout
