@@ -206,6 +206,8 @@ def run_job(
                 _on_event(event, state, result)
                 if event["event"] == "ready":
                     ready += 1
+                    if options.verbose:
+                        stderr.write(f"[rank {rank} {state.host}] {_ready_line(event)}\n")
                     if ready == len(ranks):
                         result.ready_s = time.perf_counter() - started
                         log(stderr, f"all ranks ready after {result.ready_s:.1f} s")
@@ -248,6 +250,13 @@ def run_job(
             f"peak memory (rank 0) {s['peak_memory_gb']:.3f} GB",
         )
     return result
+
+
+def _ready_line(event: dict) -> str:
+    layers = event.get("layers")
+    where = f"layers {layers[0]}-{layers[1] - 1}" if layers else "all layers"
+    files = ", ".join(event.get("files") or [])
+    return f"loaded in {event.get('load_s', 0):.2f} s: {where}; weight files: {files}"
 
 
 def _on_event(event: dict, state: RankState, result: JobResult) -> None:

@@ -318,3 +318,25 @@ def test_seeded_sampling_agrees_across_ranks_and_runs(models):
         again = run_cli(*args, "--mode", mode)
         assert again.returncode == 0, again.stderr
         assert again.stdout == run_cli(*args, "--mode", mode).stdout
+
+
+def test_pipeline_rank_reads_only_its_files(models):
+    """6 layers, 2 per file: rank 0 holds layers 3-5, rank 1 layers 0-2 (mlx-lm's order)."""
+    index = json.loads((models["llama"] / "model.safetensors.index.json").read_text())
+    file_of = index["weight_map"]
+    p = run_cli("launch", "--verbose", "--model", models["llama"], "--max-tokens", 4, PROMPT)
+    assert p.returncode == 0, p.stderr
+    lines = {
+        r: next(
+            line
+            for line in p.stderr.splitlines()
+            if line.startswith(f"[rank {r} localhost] loaded in")
+        )
+        for r in (0, 1)
+    }
+    assert "layers 3-5" in lines[0] and "layers 0-2" in lines[1]
+    assert file_of["model.layers.0.mlp.up_proj.weight"] not in lines[0]
+    assert file_of["model.layers.5.mlp.up_proj.weight"] not in lines[1]
+    for r in (0, 1):
+        assert file_of["model.embed_tokens.weight"] in lines[r]
+        assert file_of["lm_head.weight"] in lines[r]
