@@ -75,6 +75,27 @@ def launch_options(f):
             help="Ring sockets per address.",
         ),
         click.option(
+            "--heartbeat-timeout",
+            type=click.FloatRange(min=1),
+            default=30.0,
+            show_default=True,
+            help="Give up on a rank that sends nothing (not even its once-a-second heartbeat) "
+            "for this many seconds: stopped, hung, or its host unreachable.",
+        ),
+        click.option(
+            "--start-timeout",
+            type=click.FloatRange(min=1),
+            default=1800.0,
+            show_default=True,
+            help="Give up if the ranks have not all loaded the model after this many seconds.",
+        ),
+        click.option(
+            "--accept-new-host-keys",
+            is_flag=True,
+            help="Trust and record the SSH host key of a host not yet in known_hosts (like "
+            "OpenSSH's accept-new); a changed key is always refused.",
+        ),
+        click.option(
             "-v",
             "--verbose",
             is_flag=True,
@@ -115,20 +136,7 @@ def cli():
     default=None,
     help="Random seed, shared by every rank (default: a random one).",
 )
-def launch(
-    prompt,
-    hostfile,
-    num_ranks,
-    model,
-    mode,
-    backend,
-    starting_port,
-    connections_per_ip,
-    verbose,
-    max_tokens,
-    temp,
-    seed,
-):
+def launch(prompt, hostfile, num_ranks, backend, model, max_tokens, temp, seed, **job):
     """Generate a reply to PROMPT on every rank in lockstep; rank 0's text goes to stdout.
 
     PROMPT '-' or absent reads the prompt from stdin. The prompt goes through the model's chat
@@ -154,13 +162,10 @@ def launch(
     options = JobOptions(
         model=model or str(default_model_path()),
         prompt=prompt,
-        mode=mode,
         max_tokens=max_tokens,
         temp=temp,
         seed=seed,
-        verbose=verbose,
-        starting_port=starting_port,
-        connections_per_ip=connections_per_ip,
+        **job,
     )
     try:
         run_job(hf, options, started=STARTED)

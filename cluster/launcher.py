@@ -22,7 +22,7 @@ from typing import IO, Any
 from .backends import port_in_use, rank_envs
 from .hostfile import Hostfile
 from .modelcheck import ModelError, check_shardable, looks_like_repo, read_config
-from .process import LocalRank, RankLaunch, local_python, make_job_dir
+from .process import LocalRank, RankLaunch, make_job_dir, rank_python
 from .protocol import decode_event
 
 EXIT_PEER_FAILED = 3  # a rank that stopped because rank 0 failed (see node.__main__)
@@ -54,6 +54,9 @@ class JobOptions:
     verbose: bool = False
     starting_port: int | None = None
     connections_per_ip: int = 1
+    heartbeat_timeout: float = 30.0
+    start_timeout: float = 1800.0
+    accept_new_host_keys: bool = False
 
 
 @dataclass
@@ -61,6 +64,9 @@ class RankState:
     rank: int
     host: str
     phase: str = "starting"
+    host_is_local: bool = True
+    unresponsive: bool = False  # given up on by the launcher (heartbeat or start timeout)
+    last_seen: float = 0.0
     exit_code: int | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     error: str | None = None
@@ -128,7 +134,7 @@ def plan(hostfile: Hostfile, options: JobOptions) -> list[RankLaunch]:
         RankLaunch(
             rank=e.rank,
             host=e.host,
-            python=local_python(e.host, hostfile.python),
+            python=rank_python(e.host, hostfile.python),
             env=e.env,
             files=e.files,
             spec=job_spec(options, len(envs), e.rank),
@@ -142,6 +148,155 @@ def plan(hostfile: Hostfile, options: JobOptions) -> list[RankLaunch]:
 def log(stderr: IO[str], message: str) -> None:
     stderr.write(f"mlx-cluster: {message}\n")
     stderr.flush()
+
+
+def open_ranks(
+    hostfile: Hostfile, launches: list[RankLaunch], job_dir: Path, accept_new_host_keys: bool
+):
+    """A LocalRank or RemoteRank per launch; SSH connections (one per host) opened in parallel."""
+    remote_hosts = {r.host.index: r.host for r in launches if not r.host.is_local}
+    clients = {}
+    if remote_hosts:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .ssh import RemoteRank, SSHError, connect
+
+        with ThreadPoolExecutor(max_workers=min(16, len(remote_hosts))) as pool:
+            futures = {
+                i: pool.submit(connect, h, hostfile, accept_new_host_keys)
+                for i, h in remote_hosts.items()
+            }
+        errors = []
+        for i, f in futures.items():
+            try:
+                clients[i] = f.result()
+            except SSHError as e:
+                errors.append(str(e))
+        if errors:
+            for c in clients.values():
+                c.close()
+            raise LaunchError("error: " + "\nerror: ".join(errors))
+    ranks = [
+        LocalRank(r, job_dir)
+        if r.host.is_local
+        else RemoteRank(r, clients[r.host.index], job_dir.name)
+        for r in launches
+    ]
+    return ranks, list(clients.values())
+
+
+class Job:
+    """The launcher's view of one running job: ranks, what each last said, and when."""
+
+    def __init__(
+        self, ranks, options: JobOptions, stdout: IO[bytes], stderr: IO[str], started: float
+    ):
+        self.ranks = ranks
+        self.options = options
+        self.stdout = stdout
+        self.stderr = stderr
+        self.started = started
+        self.states = [
+            RankState(r.rank, r.host.target, host_is_local=r.host.is_local) for r in ranks
+        ]
+        self.events: queue.Queue = queue.Queue()
+        self.result = JobResult(exit_code=0)
+        self.wrote_newline = True
+        self.ready = 0
+
+    def run(self) -> None:
+        """Start every rank and follow them to the end; raise LaunchError on any failure."""
+        now = time.monotonic()
+        for r, state in zip(self.ranks, self.states, strict=True):
+            state.last_seen = now
+            try:
+                r.start(self.events)
+            except Exception as e:  # a rank that cannot start: stop those that did
+                state.error = f"could not start: {e}"
+                state.exit_code = 255
+                self.fail(state)
+        running = len(self.ranks)
+        while running:
+            try:
+                kind, rank, payload = self.events.get(timeout=1.0)
+            except queue.Empty:
+                self.check_liveness()
+                continue
+            state = self.states[rank]
+            state.last_seen = time.monotonic()
+            if kind == "out":
+                self.on_stdout(state, payload)
+            elif kind == "err":
+                self.on_stderr(state, payload)
+            else:
+                running -= 1
+                state.exit_code = payload
+                if payload != 0:
+                    self.fail(state)
+            self.check_liveness()
+
+    def on_stdout(self, state: RankState, payload: bytes) -> None:
+        if state.rank != 0:
+            state.tail.extend(payload.decode("utf-8", "replace").splitlines())
+            return
+        if self.result.first_token_s is None:
+            self.result.first_token_s = time.perf_counter() - self.started
+        try:
+            self.stdout.write(payload)
+            self.stdout.flush()
+        except BrokenPipeError:  # `| head`: the reader has what it wanted
+            raise Interrupted(signal.SIGPIPE) from None
+        self.wrote_newline = payload.endswith(b"\n")
+
+    def on_stderr(self, state: RankState, line: str) -> None:
+        event = decode_event(line)
+        if event is None:
+            state.tail.append(line.rstrip("\n"))
+            if self.options.verbose:
+                self.stderr.write(f"[rank {state.rank} {state.host}] {line}")
+            return
+        _on_event(event, state, self.result)
+        if event["event"] == "ready":
+            self.ready += 1
+            if self.options.verbose:
+                self.stderr.write(f"[rank {state.rank} {state.host}] {_ready_line(event)}\n")
+            if self.ready == len(self.ranks):
+                self.result.ready_s = time.perf_counter() - self.started
+                log(self.stderr, f"all ranks ready after {self.result.ready_s:.1f} s")
+
+    def check_liveness(self) -> None:
+        """A rank silent past the heartbeat timeout, or not ready by the start deadline, fails."""
+        now = time.monotonic()
+        for state in self.states:
+            if state.exit_code is not None:
+                continue
+            silent = now - state.last_seen
+            if silent > self.options.heartbeat_timeout:
+                state.unresponsive = True
+                state.error = (
+                    f"sent nothing for {silent:.1f} s (heartbeat timeout "
+                    f"{self.options.heartbeat_timeout:g} s): the process is stopped or hung, or "
+                    "its host is unreachable"
+                )
+                self.fail(state)
+        if (
+            self.ready < len(self.ranks)
+            and time.perf_counter() - self.started > self.options.start_timeout
+        ):
+            late = next(s for s in self.states if s.phase not in ("ready", "generating"))
+            late.unresponsive = True
+            late.error = (
+                f"not ready after the start timeout of {self.options.start_timeout:g} "
+                "s (--start-timeout)"
+            )
+            self.fail(late)
+
+    def fail(self, state: RankState) -> None:
+        self.stop_all()
+        raise LaunchError(_failure_report(state, self.states, len(self.ranks)))
+
+    def stop_all(self) -> None:
+        _stop_all(self.ranks, self.states, self.events)
 
 
 def run_job(
@@ -163,65 +318,21 @@ def run_job(
     check_ports(hostfile, launches)
 
     job_dir = make_job_dir()
-    ranks = [LocalRank(launch, job_dir) for launch in launches]
-    states = [RankState(r.rank, r.host.target) for r in ranks]
-    events: queue.Queue = queue.Queue()
-    result = JobResult(exit_code=0)
-    wrote_newline = True
-    log(
-        stderr,
-        f"starting {len(ranks)} rank(s), {options.mode} mode, "
-        f"{hostfile.backend} backend, model {options.model}",
-    )
-
+    clients = []
+    job = None
     previous = _trap_signals()
     try:
-        for r in ranks:
-            r.start(events)
-        running = len(ranks)
-        ready = 0
-        failed: RankState | None = None
-        while running:
-            kind, rank, payload = events.get()
-            state = states[rank]
-            if kind == "out":
-                if rank == 0:
-                    if result.first_token_s is None:
-                        result.first_token_s = time.perf_counter() - started
-                    try:
-                        stdout.write(payload)
-                        stdout.flush()
-                    except BrokenPipeError:  # `| head`: the reader has what it wanted
-                        raise Interrupted(signal.SIGPIPE) from None
-                    wrote_newline = payload.endswith(b"\n")
-                else:
-                    state.tail.extend(payload.decode("utf-8", "replace").splitlines())
-            elif kind == "err":
-                event = decode_event(payload)
-                if event is None:
-                    state.tail.append(payload.rstrip("\n"))
-                    if options.verbose:
-                        stderr.write(f"[rank {rank} {state.host}] {payload}")
-                    continue
-                _on_event(event, state, result)
-                if event["event"] == "ready":
-                    ready += 1
-                    if options.verbose:
-                        stderr.write(f"[rank {rank} {state.host}] {_ready_line(event)}\n")
-                    if ready == len(ranks):
-                        result.ready_s = time.perf_counter() - started
-                        log(stderr, f"all ranks ready after {result.ready_s:.1f} s")
-            else:
-                running -= 1
-                state.exit_code = payload
-                if payload != 0 and failed is None:
-                    failed = state
-                    break
-        if failed is not None:
-            _stop_all(ranks, states, events)
-            raise LaunchError(_failure_report(failed, states, len(ranks)))
+        ranks, clients = open_ranks(hostfile, launches, job_dir, options.accept_new_host_keys)
+        job = Job(ranks, options, stdout, stderr, started)
+        log(
+            stderr,
+            f"starting {len(ranks)} rank(s), {options.mode} mode, "
+            f"{hostfile.backend} backend, model {options.model}",
+        )
+        job.run()
     except Interrupted as e:
-        _stop_all(ranks, states, events)
+        if job is not None:
+            job.stop_all()
         if e.signum == signal.SIGPIPE:
             _silence_stdout(stdout)
             raise LaunchError("", exit_code=128 + e.signum) from None
@@ -231,15 +342,20 @@ def run_job(
         ) from None
     finally:
         _restore_signals(previous)
-        for r in ranks:  # even on an unexpected error nothing may survive
-            if r.poll() is None:
-                r.send_signal(signal.SIGKILL)
-                r.wait(STOP_GRACE_S)
+        if job is not None:
+            for r in job.ranks:  # even on an unexpected error nothing may survive
+                if r.poll() is None:
+                    r.send_signal(signal.SIGKILL)
+                    r.wait(STOP_GRACE_S)
+                r.cleanup()
+            if not job.wrote_newline and not stdout.closed and stdout.isatty():
+                stdout.write(b"\n")
+                stdout.flush()
+        for c in clients:
+            c.close()
         shutil.rmtree(job_dir, ignore_errors=True)
-        if not wrote_newline and not stdout.closed and stdout.isatty():
-            stdout.write(b"\n")
-            stdout.flush()
 
+    result = job.result
     if result.stats:
         s = result.stats
         log(
@@ -293,11 +409,14 @@ def _failure_report(failed: RankState, states: list[RankState], world: int) -> s
     if failed.exit_code == EXIT_PEER_FAILED and states[0].exit_code not in (None, 0):
         failed = states[0]
     code = failed.exit_code
-    how = (
-        f"was killed by signal {-code}"
-        if code is not None and code < 0
-        else f"exited with code {code}"
-    )
+    if failed.unresponsive:
+        how = "stopped responding"
+    elif code < 0:
+        how = f"was killed by signal {-code}"
+    elif code == 255 and not failed.host_is_local:
+        how = "was killed by a signal or lost its SSH connection"
+    else:
+        how = f"exited with code {code}"
     lines = [
         f"error: rank {failed.rank} of {world} on {failed.host} {how} "
         f"{PHASE_WORDS.get(failed.phase, failed.phase)}"

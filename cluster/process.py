@@ -133,6 +133,6 @@ def make_job_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="mlx-cluster-job-"))
 
 
-def local_python(host: Host, default: str | None) -> str:
-    """The interpreter of a local rank: per-host, then hostfile-wide, then our own."""
-    return host.python or default or sys.executable
+def rank_python(host: Host, default: str | None) -> str:
+    """Per-host python, then the hostfile's, then our own here or ``python3`` on other hosts."""
+    return host.python or default or (sys.executable if host.is_local else "python3")

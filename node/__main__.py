@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 import traceback
 
@@ -17,6 +18,8 @@ from cluster.protocol import encode_event
 
 EXIT_FAILED = 1
 EXIT_PEER_FAILED = 3
+HEARTBEAT_S = 1.0
+_stderr_lock = threading.Lock()
 
 
 class PeerFailed(RuntimeError):
@@ -24,8 +27,21 @@ class PeerFailed(RuntimeError):
 
 
 def emit(kind: str, **fields) -> None:
-    sys.stderr.write(encode_event(kind, **fields))
-    sys.stderr.flush()
+    with _stderr_lock:
+        sys.stderr.write(encode_event(kind, **fields))
+        sys.stderr.flush()
+
+
+def start_heartbeat() -> None:
+    """A beat every second, also while the main thread waits in a collective (MLX releases
+    the GIL there): the launcher takes a rank that stops beating for stopped or hung."""
+
+    def beat():
+        while True:
+            emit("beat")
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
 
 
 def write_text(text: str) -> None:
@@ -76,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     run_p = sub.add_parser("run", help="run one rank of a job")
     run_p.add_argument("--spec", required=True, help="path of the job spec (JSON)")
     args = parser.parse_args(argv)
+    start_heartbeat()
     try:
         with open(args.spec) as f:
             spec = json.load(f)
@@ -84,11 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         emit("error", message=str(e), peer=True)
         return EXIT_PEER_FAILED
     except (ModelError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        with _stderr_lock:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         emit("error", message=str(e))
         return EXIT_FAILED
     except Exception as e:
-        traceback.print_exc()
+        with _stderr_lock:
+            traceback.print_exc()
         emit("error", message=f"{type(e).__name__}: {e}")
         return EXIT_FAILED
     return 0

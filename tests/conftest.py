@@ -54,6 +54,8 @@ def models(tmp_path_factory):
     return {
         "llama": make_model(base / "llama", "llama", seed=1),
         "qwen2": make_model(base / "qwen2", "qwen2", seed=2, chat_template=True),
+        # an EOS id no token can have: generation runs until stopped (teardown tests)
+        "endless": make_model(base / "endless", "llama", seed=1, eos_token_id=100_000),
     }
 
 

@@ -242,7 +242,7 @@ def finish(proc, timeout=20):
 
 
 def test_ctrl_c_stops_every_rank(models):
-    proc = start_long_job(models["llama"])
+    proc = start_long_job(models["endless"])
     assert len(rank_pids()) == 2
     proc.send_signal(signal.SIGINT)
     code, err = finish(proc)
@@ -252,7 +252,7 @@ def test_ctrl_c_stops_every_rank(models):
 
 
 def test_sigterm_stops_every_rank(models):
-    proc = start_long_job(models["llama"])
+    proc = start_long_job(models["endless"])
     proc.send_signal(signal.SIGTERM)
     code, err = finish(proc)
     assert code == 128 + signal.SIGTERM
@@ -260,7 +260,7 @@ def test_sigterm_stops_every_rank(models):
 
 
 def test_killed_rank_mid_generation_stops_the_job(models):
-    proc = start_long_job(models["llama"])
+    proc = start_long_job(models["endless"])
     victim = subprocess.run(
         ["pgrep", "-f", "--", "rank1/job.json"], capture_output=True, text=True
     ).stdout.split()
@@ -275,7 +275,7 @@ def test_killed_rank_mid_generation_stops_the_job(models):
 def test_closed_stdout_stops_every_rank(models):
     """`mlx-cluster launch ... | head -c 20`: the reader leaves, the ranks stop, no traceback."""
     p = subprocess.run(
-        f"'{CLI}' launch --model '{models['llama']}' --max-tokens 1000000 hi | head -c 20; "
+        f"'{CLI}' launch --model '{models['endless']}' --max-tokens 1000000 hi | head -c 20; "
         "exit ${PIPESTATUS[0]}",
         shell=True,
         executable="/bin/bash",

@@ -106,7 +106,7 @@ def make_model(
     out.mkdir(parents=True, exist_ok=True)
     config = {**FAMILIES[family], **overrides}
     tokenizer = train_tokenizer(out, config["vocab_size"], CHAT_TEMPLATE if chat_template else None)
-    config["eos_token_id"] = tokenizer.eos_token_id
+    config.setdefault("eos_token_id", tokenizer.eos_token_id)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))

@@ -1,0 +1,243 @@
+"""Ranks on other hosts, over SSH with paramiko, behind the same interface as LocalRank.
+
+Host keys are verified against known_hosts; an unknown key is refused unless the user passes
+--accept-new-host-keys (OpenSSH's accept-new), a changed key always. A rank's files (job spec,
+ring hostfile or IBV matrix, environment) are written over SFTP into a per-job directory only
+the user can read, so no secret appears in argv or logs. The remote shell ``exec``s python,
+which then leads its own process group: teardown signals that group over a fresh channel
+instead of trusting the channel's close.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import queue
+import shlex
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+
+from .hostfile import Host, Hostfile
+from .process import RankLaunch, node_command
+
+CONNECT_TIMEOUT_S = 10.0
+FORWARDED_SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
+class SSHError(RuntimeError):
+    """Could not reach or log into a host; the message names it and says what to do."""
+
+
+@dataclass
+class SSHTarget:
+    hostname: str
+    port: int
+    user: str | None
+    identity_file: str | None
+    known_hosts: str
+
+
+def ssh_target(host: Host, hostfile: Hostfile) -> SSHTarget:
+    """Host entry, then the hostfile's ssh block, then ~/.ssh/config, then OpenSSH defaults."""
+    config = {}
+    config_path = Path("~/.ssh/config").expanduser()
+    if config_path.exists():
+        config = paramiko.SSHConfig.from_path(str(config_path)).lookup(host.hostname)
+    identity = hostfile.ssh.identity_file or (config.get("identityfile") or [None])[0]
+    return SSHTarget(
+        hostname=config.get("hostname", host.hostname),
+        port=host.port or hostfile.ssh.port or int(config.get("port", 22)),
+        user=host.user or hostfile.ssh.user or config.get("user"),
+        identity_file=str(Path(identity).expanduser()) if identity else None,
+        known_hosts=str(Path(hostfile.ssh.known_hosts or "~/.ssh/known_hosts").expanduser()),
+    )
+
+
+def connect(host: Host, hostfile: Hostfile, accept_new: bool = False) -> paramiko.SSHClient:
+    target = ssh_target(host, hostfile)
+    where = f"{host.label}"
+    client = paramiko.SSHClient()
+    known = Path(target.known_hosts)
+    if known.exists():
+        client.load_host_keys(str(known))
+    if accept_new:
+        known.parent.mkdir(parents=True, exist_ok=True)
+        known.touch(mode=0o600, exist_ok=True)
+        client.load_host_keys(str(known))  # so save_host_keys writes to it
+        client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    else:
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    try:
+        client.connect(
+            target.hostname,
+            port=target.port,
+            username=target.user,
+            key_filename=target.identity_file,
+            timeout=CONNECT_TIMEOUT_S,
+            banner_timeout=CONNECT_TIMEOUT_S,
+            auth_timeout=CONNECT_TIMEOUT_S,
+        )
+    except paramiko.BadHostKeyException as e:
+        raise SSHError(
+            f"{where}: the host key of {target.hostname}:{target.port} does not match the one "
+            f"in {known} (got {e.key.get_name()} {e.key.get_fingerprint().hex()}); if the host "
+            f"was reinstalled, remove the old entry with `ssh-keygen -R "
+            f"'[{target.hostname}]:{target.port}' -f {known}` and connect again"
+        ) from None
+    except paramiko.AuthenticationException as e:
+        key = f" with key {target.identity_file}" if target.identity_file else ""
+        raise SSHError(
+            f"{where}: SSH login as {target.user or 'the current user'} to "
+            f"{target.hostname}:{target.port} failed{key} ({e}); check ssh.identity_file and "
+            "that the public key is in the host's ~/.ssh/authorized_keys"
+        ) from None
+    except paramiko.SSHException as e:
+        if "not found in known_hosts" in str(e):
+            raise SSHError(
+                f"{where}: {target.hostname}:{target.port} is not in {known}, so its identity "
+                "cannot be verified; check the key (e.g. `ssh-keyscan`) and add it, or pass "
+                "--accept-new-host-keys to trust it on first use"
+            ) from None
+        if "private key file" in str(e) or "not a valid" in str(e):
+            raise SSHError(f"{where}: cannot use key {target.identity_file}: {e}") from None
+        raise SSHError(f"{where}: SSH to {target.hostname}:{target.port} failed: {e}") from None
+    except (TimeoutError, OSError) as e:
+        raise SSHError(
+            f"{where}: cannot reach {target.hostname}:{target.port} ({e}); is the host up, "
+            "Remote Login (sshd) enabled and the port right?"
+        ) from None
+    if accept_new:
+        client.save_host_keys(str(known))
+    return client
+
+
+def run(client: paramiko.SSHClient, command: str, timeout: float = 30.0) -> tuple[int, str, str]:
+    """Run a short command; (exit status, stdout, stderr)."""
+    _, out, err = client.exec_command(command, timeout=timeout)
+    status = out.channel.recv_exit_status()
+    return status, out.read().decode(), err.read().decode()
+
+
+def env_script(env: dict[str, str]) -> str:
+    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+
+
+class RemoteRank:
+    """A rank on another host, started over an SSH channel (no pty: tokens are not held back)."""
+
+    def __init__(self, launch: RankLaunch, client: paramiko.SSHClient, job_id: str):
+        self.launch = launch
+        self.rank = launch.rank
+        self.host = launch.host
+        self.client = client
+        self.job_id = job_id
+        self.dir: str | None = None
+        self.channel: paramiko.Channel | None = None
+        self.exit_code: int | None = None
+        self._done = threading.Event()
+
+    def start(self, events: queue.Queue) -> None:
+        status, home, err = run(self.client, 'printf %s "$HOME"')
+        if status != 0:
+            raise SSHError(f"{self.host.label}: cannot run commands: {err.strip()}")
+        self.dir = f"{home}/.cache/mlx-cluster/jobs/{self.job_id}/rank{self.rank}"
+        status, _, err = run(self.client, f"mkdir -p -m 700 {shlex.quote(self.dir)}")
+        if status != 0:
+            raise SSHError(f"{self.host.label}: cannot create {self.dir}: {err.strip()}")
+        env = dict(self.launch.extra_env)
+        env.update({k: os.environ[k] for k in FORWARDED_SECRETS if k in os.environ})
+        env.update(self.launch.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        try:
+            sftp = self.client.open_sftp()
+        except paramiko.SSHException as e:
+            raise SSHError(
+                f"{self.host.label}: cannot open SFTP to write the rank's files ({e}); enable "
+                "the sftp subsystem in the host's sshd_config"
+            ) from None
+        try:
+            for var, text in self.launch.files.items():
+                path = f"{self.dir}/{var.lower()}.json"
+                self._write(sftp, path, text)
+                env[var] = path
+            self._write(sftp, f"{self.dir}/env.sh", env_script(env))
+            self._write(sftp, f"{self.dir}/job.json", self.launch.spec)
+        finally:
+            sftp.close()
+        d = shlex.quote(self.dir)
+        cwd = shlex.quote(self.launch.cwd) if self.launch.cwd else d
+        command = shlex.join(node_command(self.launch.python, f"{self.dir}/job.json"))
+        script = f"cd {cwd} && . {d}/env.sh && echo $$ > {d}/pid && exec {command}"
+        self.channel = self.client.get_transport().open_session()
+        self.channel.exec_command(script)
+        threading.Thread(target=self._pump, args=(events,), daemon=True).start()
+
+    @staticmethod
+    def _write(sftp, path: str, text: str) -> None:
+        with sftp.open(path, "w") as f:
+            f.chmod(0o600)
+            f.write(text.encode())
+
+    def _pump(self, events: queue.Queue) -> None:
+        """stdout chunks and stderr lines until the channel closes, then the exit status."""
+        chan = self.channel
+        readers = [
+            threading.Thread(target=_read_stdout, args=(chan, self.rank, events), daemon=True),
+            threading.Thread(target=_read_stderr, args=(chan, self.rank, events), daemon=True),
+        ]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        status = chan.recv_exit_status()  # returns once the channel is closed, even if dropped
+        # -1: no status came: the process died by a signal, or the connection dropped.
+        self.exit_code = 255 if status == -1 else status
+        events.put(("exit", self.rank, self.exit_code))
+        self._done.set()
+
+    def poll(self) -> int | None:
+        return self.exit_code
+
+    def send_signal(self, sig: int) -> None:
+        if self.channel is None or self._done.is_set():
+            return
+        pid = f"$(cat {shlex.quote(self.dir)}/pid)"
+        try:
+            run(
+                self.client,
+                f"kill -{int(sig)} -- -{pid} 2>/dev/null || kill -{int(sig)} {pid}",
+                timeout=CONNECT_TIMEOUT_S,
+            )
+        except (paramiko.SSHException, OSError, EOFError):
+            pass  # the connection is gone; the channel's close ends the remote shell
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._done.wait(timeout)
+        return self.exit_code
+
+    def cleanup(self) -> None:
+        if self.dir is None:
+            return
+        try:
+            d, parent = shlex.quote(self.dir), shlex.quote(posixpath.dirname(self.dir))
+            run(self.client, f"rm -rf {d}; rmdir {parent} 2>/dev/null", timeout=CONNECT_TIMEOUT_S)
+        except (paramiko.SSHException, OSError, EOFError):
+            pass
+
+
+def _read_stdout(chan: paramiko.Channel, rank: int, events: queue.Queue) -> None:
+    while data := chan.recv(65536):
+        events.put(("out", rank, data))
+
+
+def _read_stderr(chan: paramiko.Channel, rank: int, events: queue.Queue) -> None:
+    partial = b""
+    while data := chan.recv_stderr(65536):
+        *lines, partial = (partial + data).split(b"\n")
+        for line in lines:
+            events.put(("err", rank, line.decode("utf-8", "replace") + "\n"))
+    if partial:
+        events.put(("err", rank, partial.decode("utf-8", "replace") + "\n"))

@@ -1,0 +1,195 @@
+"""Ranks reached over SSH (a real sshd on 127.0.0.1), host keys, and teardown on failures."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CLI, rank_pids, reference, run_cli
+from sshd import SSHD, keygen, start_sshd
+
+pytestmark = pytest.mark.skipif(not Path(SSHD).exists(), reason="needs openssh-server")
+
+PROMPT = "Tell me about lists"
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.proc.terminate()
+    server.proc.wait(10)
+
+
+def hostfile(sshd, tmp_path, hosts, **kw):
+    path = tmp_path / "hosts.yaml"
+    path.write_text(sshd.hostfile(hosts, sys.executable, **kw))
+    return path
+
+
+def over_ssh(sshd, slots):
+    return f"  - ssh: 127.0.0.1:{sshd.port}\n    ips: [127.0.0.1]\n    slots: {slots}\n"
+
+
+LOCAL = "  - ssh: localhost\n"
+
+
+def remote_job_dirs():
+    jobs = Path("~/.cache/mlx-cluster/jobs").expanduser()
+    return sorted(jobs.iterdir()) if jobs.exists() else []
+
+
+@pytest.mark.parametrize("hosts", ["ssh2", "local+ssh2"])
+def test_ranks_over_ssh_match_single_process(sshd, models, tmp_path, hosts):
+    layout = over_ssh(sshd, 2) if hosts == "ssh2" else LOCAL + over_ssh(sshd, 2)
+    hf = hostfile(sshd, tmp_path, layout)
+    for mode in ("pipeline", "tensor"):
+        p = run_cli(
+            "launch",
+            "--hostfile",
+            hf,
+            "--mode",
+            mode,
+            "--model",
+            models["llama"],
+            "--max-tokens",
+            40,
+            PROMPT,
+        )
+        assert p.returncode == 0, p.stderr
+        assert p.stdout == reference(models["llama"], PROMPT, 40)
+    assert remote_job_dirs() == []  # the per-job directories were removed
+
+
+def test_unknown_host_key_is_refused_then_accepted_on_request(sshd, models, tmp_path):
+    known = tmp_path / "known_hosts"
+    hf = hostfile(sshd, tmp_path, over_ssh(sshd, 2), known_hosts=known)
+    p = run_cli("launch", "--hostfile", hf, "--model", models["llama"], PROMPT)
+    assert p.returncode == 1
+    assert f"host 0 (127.0.0.1:{sshd.port}): 127.0.0.1:{sshd.port} is not in {known}" in p.stderr
+    assert "--accept-new-host-keys" in p.stderr
+    p = run_cli(
+        "launch",
+        "--hostfile",
+        hf,
+        "--accept-new-host-keys",
+        "--model",
+        models["llama"],
+        "--max-tokens",
+        8,
+        PROMPT,
+    )
+    assert p.returncode == 0, p.stderr
+    assert sshd.known_hosts.read_text().split()[2] in known.read_text()
+
+
+def test_changed_host_key_is_refused(sshd, models, tmp_path):
+    keygen(tmp_path / "other")
+    other = (tmp_path / "other.pub").read_text().split()
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{sshd.port} {other[0]} {other[1]}\n")
+    hf = hostfile(sshd, tmp_path, over_ssh(sshd, 2), known_hosts=known)
+    p = run_cli(
+        "launch", "--hostfile", hf, "--accept-new-host-keys", "--model", models["llama"], PROMPT
+    )
+    assert p.returncode == 1
+    assert "does not match the one in" in p.stderr and "ssh-keygen -R" in p.stderr
+
+
+def test_wrong_key_file(sshd, models, tmp_path):
+    keygen(tmp_path / "stranger")
+    text = sshd.hostfile(over_ssh(sshd, 2), sys.executable).replace(
+        str(sshd.user_key), str(tmp_path / "stranger")
+    )
+    hf = tmp_path / "h.yaml"
+    hf.write_text(text)
+    p = run_cli("launch", "--hostfile", hf, "--model", models["llama"], PROMPT)
+    assert p.returncode == 1
+    assert f"SSH login as root to 127.0.0.1:{sshd.port} failed with key" in p.stderr
+
+
+def test_unreachable_port(sshd, models, tmp_path):
+    from sshd import free_port
+
+    port = free_port()
+    hf = tmp_path / "h.yaml"
+    hf.write_text(sshd.hostfile(f"  - ssh: 127.0.0.1:{port}\n", sys.executable))
+    started = time.monotonic()
+    p = run_cli("launch", "--hostfile", hf, "--model", models["llama"], PROMPT)
+    assert p.returncode == 1
+    assert f"host 0 (127.0.0.1:{port}): cannot reach 127.0.0.1:{port}" in p.stderr
+    assert time.monotonic() - started < 30
+
+
+def start_streaming(args):
+    proc = subprocess.Popen(
+        [CLI, "launch", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    first = proc.stdout.read(1)
+    assert first, proc.stderr.read().decode()
+    return proc
+
+
+def test_kill_9_of_a_remote_rank_ends_the_job(sshd, models, tmp_path):
+    hf = hostfile(sshd, tmp_path, LOCAL + over_ssh(sshd, 2))
+    proc = start_streaming(
+        ["--hostfile", hf, "--model", models["endless"], "--max-tokens", 1000000, PROMPT]
+    )
+    victim = subprocess.run(
+        ["pgrep", "-f", "--", "rank2/job.json"], capture_output=True, text=True
+    ).stdout.split()
+    assert len(victim) == 1
+    killed = time.monotonic()
+    os.kill(int(victim[0]), signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - killed < 10
+    assert proc.returncode == 1
+    assert f"error: rank 2 of 3 on 127.0.0.1:{sshd.port}" in err.decode()
+    assert rank_pids() == []
+    assert remote_job_dirs() == []
+
+
+def test_sigint_with_remote_ranks(sshd, models, tmp_path):
+    hf = hostfile(sshd, tmp_path, LOCAL + over_ssh(sshd, 1))
+    proc = start_streaming(
+        ["--hostfile", hf, "--model", models["endless"], "--max-tokens", 1000000, PROMPT]
+    )
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert rank_pids() == []
+    assert remote_job_dirs() == []
+
+
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_sigstopped_rank_is_named_after_heartbeat_timeout(sshd, models, tmp_path, where):
+    hosts = "  - ssh: localhost\n    slots: 2\n" if where == "local" else LOCAL + over_ssh(sshd, 1)
+    hf = hostfile(sshd, tmp_path, hosts)
+    proc = start_streaming(
+        [
+            "--hostfile",
+            hf,
+            "--heartbeat-timeout",
+            3,
+            "--model",
+            models["endless"],
+            "--max-tokens",
+            1000000,
+            PROMPT,
+        ]
+    )
+    victim = subprocess.run(
+        ["pgrep", "-f", "--", "rank1/job.json"], capture_output=True, text=True
+    ).stdout.split()
+    os.kill(int(victim[0]), signal.SIGSTOP)
+    stopped = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    err = err.decode()
+    assert proc.returncode == 1
+    assert time.monotonic() - stopped < 3 + 15
+    assert "error: rank 1 of 2 on" in err and "stopped responding" in err, err
+    assert "sent nothing for" in err and "heartbeat timeout 3 s" in err
+    assert rank_pids() == []
