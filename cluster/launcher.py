@@ -13,6 +13,7 @@ import queue
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class JobOptions:
     heartbeat_timeout: float = 30.0
     start_timeout: float = 1800.0
     accept_new_host_keys: bool = False
+    forward_stdin: bool = False  # our stdin goes on to rank 0 (interactive chat)
 
 
 @dataclass
@@ -140,6 +142,7 @@ def plan(hostfile: Hostfile, options: JobOptions) -> list[RankLaunch]:
             spec=job_spec(options, len(envs), e.rank),
             cwd=e.host.cwd,
             extra_env=hostfile.env,
+            stdin=options.forward_stdin and e.rank == 0,
         )
         for e in envs
     ]
@@ -189,8 +192,15 @@ class Job:
     """The launcher's view of one running job: ranks, what each last said, and when."""
 
     def __init__(
-        self, ranks, options: JobOptions, stdout: IO[bytes], stderr: IO[str], started: float
+        self,
+        ranks,
+        options: JobOptions,
+        stdout: IO[bytes],
+        stderr: IO[str],
+        started: float,
+        stdin: IO[bytes] | None = None,
     ):
+        self.stdin = stdin
         self.ranks = ranks
         self.options = options
         self.stdout = stdout
@@ -215,6 +225,10 @@ class Job:
                 state.error = f"could not start: {e}"
                 state.exit_code = 255
                 self.fail(state)
+        if self.options.forward_stdin:
+            threading.Thread(
+                target=_forward_stdin, args=(self.stdin, self.ranks[0]), daemon=True
+            ).start()
         running = len(self.ranks)
         while running:
             try:
@@ -305,9 +319,11 @@ def run_job(
     stdout: IO[bytes] | None = None,
     stderr: IO[str] | None = None,
     started: float | None = None,
+    stdin: IO[bytes] | None = None,
 ) -> JobResult:
     """Run the job to the end; raises LaunchError (with an exit code) on any failure."""
     stdout = stdout or sys.stdout.buffer
+    stdin = stdin or sys.stdin.buffer
     stderr = stderr or sys.stderr
     started = time.perf_counter() if started is None else started
     try:
@@ -323,7 +339,7 @@ def run_job(
     previous = _trap_signals()
     try:
         ranks, clients = open_ranks(hostfile, launches, job_dir, options.accept_new_host_keys)
-        job = Job(ranks, options, stdout, stderr, started)
+        job = Job(ranks, options, stdout, stderr, started, stdin)
         log(
             stderr,
             f"starting {len(ranks)} rank(s), {options.mode} mode, "
@@ -366,6 +382,17 @@ def run_job(
             f"peak memory (rank 0) {s['peak_memory_gb']:.3f} GB",
         )
     return result
+
+
+def _forward_stdin(stdin: IO[bytes], rank) -> None:
+    """Copy our stdin to rank 0 as it arrives; EOF on ours is EOF on its."""
+    fd = stdin.fileno()
+    try:
+        while data := os.read(fd, 65536):
+            rank.write_stdin(data)
+        rank.close_stdin()
+    except (OSError, EOFError, ValueError):
+        pass  # rank 0 is gone; its exit is reported by the main loop
 
 
 def _ready_line(event: dict) -> str:

@@ -34,6 +34,7 @@ class RankLaunch:
     spec: str  # job spec JSON text
     cwd: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    stdin: bool = False  # forward the launcher's stdin to this rank (rank 0 in chat)
 
 
 def node_command(python: str, spec_path: str) -> list[str]:
@@ -66,7 +67,7 @@ class LocalRank:
         env["PYTHONUNBUFFERED"] = "1"
         self.proc = subprocess.Popen(
             node_command(self.launch.python, str(spec_path)),
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if self.launch.stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
@@ -90,6 +91,13 @@ class LocalRank:
             events.put(("exit", self.rank, self.proc.wait()))
 
         threading.Thread(target=wait, daemon=True).start()
+
+    def write_stdin(self, data: bytes) -> None:
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def close_stdin(self) -> None:
+        self.proc.stdin.close()
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()

@@ -170,7 +170,8 @@ class RemoteRank:
         d = shlex.quote(self.dir)
         cwd = shlex.quote(self.launch.cwd) if self.launch.cwd else d
         command = shlex.join(node_command(self.launch.python, f"{self.dir}/job.json"))
-        script = f"cd {cwd} && . {d}/env.sh && echo $$ > {d}/pid && exec {command}"
+        stdin = "" if self.launch.stdin else " < /dev/null"
+        script = f"cd {cwd} && . {d}/env.sh && echo $$ > {d}/pid && exec {command}{stdin}"
         self.channel = self.client.get_transport().open_session()
         self.channel.exec_command(script)
         threading.Thread(target=self._pump, args=(events,), daemon=True).start()
@@ -197,6 +198,12 @@ class RemoteRank:
         self.exit_code = 255 if status == -1 else status
         events.put(("exit", self.rank, self.exit_code))
         self._done.set()
+
+    def write_stdin(self, data: bytes) -> None:
+        self.channel.sendall(data)
+
+    def close_stdin(self) -> None:
+        self.channel.shutdown_write()  # EOF for the remote process
 
     def poll(self) -> int | None:
         return self.exit_code

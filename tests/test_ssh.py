@@ -193,3 +193,33 @@ def test_sigstopped_rank_is_named_after_heartbeat_timeout(sshd, models, tmp_path
     assert "error: rank 1 of 2 on" in err and "stopped responding" in err, err
     assert "sent nothing for" in err and "heartbeat timeout 3 s" in err
     assert rank_pids() == []
+
+
+@pytest.mark.parametrize("where", ["local", "ssh"])
+def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
+    """Rank 0 gets our stdin as it is typed (chat needs it). The "python" here is `cat`, so
+    rank 0 echoes its stdin and the launcher relays it; the other rank has none and exits."""
+    import io
+
+    from cluster.hostfile import load_hostfile
+    from cluster.launcher import JobOptions, run_job
+
+    fake = tmp_path / "python-is-cat"
+    fake.write_text("#!/bin/sh\nexec cat\n")
+    fake.chmod(0o755)
+    layout = "  - ssh: localhost\n    slots: 2\n" if where == "local" else over_ssh(sshd, 2)
+    path = tmp_path / "hosts.yaml"
+    path.write_text(sshd.hostfile(layout, str(fake)))
+    read_end, write_end = os.pipe()
+    os.write(write_end, "first line\nzweite Zeile é\n".encode())
+    os.close(write_end)
+    out = io.BytesIO()
+    with open(read_end, "rb") as stdin:
+        run_job(
+            load_hostfile(path),
+            JobOptions(model=str(models["llama"]), prompt="", forward_stdin=True),
+            stdout=out,
+            stderr=io.StringIO(),
+            stdin=stdin,
+        )
+    assert out.getvalue() == "first line\nzweite Zeile é\n".encode()
