@@ -25,86 +25,105 @@ def resolve_hostfile(path: str | None, num_ranks: int | None, backend: str | Non
     return hostfile
 
 
-def launch_options(f):
-    """Options shared by every command that starts a job."""
-    options = [
-        click.option(
-            "--hostfile",
-            type=click.Path(dir_okay=False),
-            help="YAML (or mlx.launch JSON) hostfile; default: 2 ranks on this machine.",
-        ),
-        click.option(
-            "-n",
-            "--num-ranks",
-            type=click.IntRange(min=1),
-            help="Run N ranks on this machine (no hostfile). Default 2.",
-        ),
-        click.option(
-            "--model",
-            default=None,
-            metavar="PATH_OR_REPO",
-            help="MLX checkpoint directory or Hugging Face repo; default: the tiny "
-            "model embedded in mlx-cluster.",
-        ),
-        click.option(
-            "--mode",
-            type=click.Choice(MODES),
-            default="pipeline",
-            show_default=True,
-            help="pipeline: each rank holds a range of layers; tensor: each rank holds "
-            "a slice of every layer.",
-        ),
-        click.option(
-            "--backend",
-            type=click.Choice(BACKENDS),
-            default=None,
-            help="Collective backend; default: the hostfile's, else ring.",
-        ),
-        click.option(
-            "--starting-port",
-            type=click.IntRange(1, 65535),
-            default=None,
-            help="First ring port (counts up per rank); default: free ports on this "
-            "machine, 32323 on remote hosts.",
-        ),
-        click.option(
-            "--connections-per-ip",
-            type=click.IntRange(min=1),
-            default=1,
-            show_default=True,
-            help="Ring sockets per address.",
-        ),
-        click.option(
-            "--heartbeat-timeout",
-            type=click.FloatRange(min=1),
-            default=30.0,
-            show_default=True,
-            help="Give up on a rank that sends nothing (not even its once-a-second heartbeat) "
-            "for this many seconds: stopped, hung, or its host unreachable.",
-        ),
-        click.option(
-            "--start-timeout",
-            type=click.FloatRange(min=1),
-            default=1800.0,
-            show_default=True,
-            help="Give up if the ranks have not all loaded the model after this many seconds.",
-        ),
-        click.option(
-            "--accept-new-host-keys",
-            is_flag=True,
-            help="Trust and record the SSH host key of a host not yet in known_hosts (like "
-            "OpenSSH's accept-new); a changed key is always refused.",
-        ),
-        click.option(
-            "-v",
-            "--verbose",
-            is_flag=True,
-            help="Show every rank's log lines on stderr, prefixed [rank k host].",
-        ),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+OPTIONS = {
+    "hostfile": click.option(
+        "--hostfile",
+        type=click.Path(dir_okay=False),
+        help="YAML (or mlx.launch JSON) hostfile; default: 2 ranks on this machine.",
+    ),
+    "num_ranks": click.option(
+        "-n",
+        "--num-ranks",
+        type=click.IntRange(min=1),
+        help="Run N ranks on this machine (no hostfile). Default 2.",
+    ),
+    "model": click.option(
+        "--model",
+        default=None,
+        metavar="PATH_OR_REPO",
+        help="MLX checkpoint directory or Hugging Face repo; default: the tiny "
+        "model embedded in mlx-cluster.",
+    ),
+    "mode": click.option(
+        "--mode",
+        type=click.Choice(MODES),
+        default="pipeline",
+        show_default=True,
+        help="pipeline: each rank holds a range of layers; tensor: each rank holds "
+        "a slice of every layer.",
+    ),
+    "backend": click.option(
+        "--backend",
+        type=click.Choice(BACKENDS),
+        default=None,
+        help="Collective backend; default: the hostfile's, else ring.",
+    ),
+    "starting_port": click.option(
+        "--starting-port",
+        type=click.IntRange(1, 65535),
+        default=None,
+        help="First ring port (counts up per rank); default: free ports on this "
+        "machine, 32323 on remote hosts.",
+    ),
+    "connections_per_ip": click.option(
+        "--connections-per-ip",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help="Ring sockets per address.",
+    ),
+    "heartbeat_timeout": click.option(
+        "--heartbeat-timeout",
+        type=click.FloatRange(min=1),
+        default=30.0,
+        show_default=True,
+        help="Give up on a rank that sends nothing (not even its once-a-second heartbeat) "
+        "for this many seconds: stopped, hung, or its host unreachable.",
+    ),
+    "start_timeout": click.option(
+        "--start-timeout",
+        type=click.FloatRange(min=1),
+        default=1800.0,
+        show_default=True,
+        help="Give up if the ranks have not all loaded the model after this many seconds.",
+    ),
+    "accept_new_host_keys": click.option(
+        "--accept-new-host-keys",
+        is_flag=True,
+        help="Trust and record the SSH host key of a host not yet in known_hosts (like "
+        "OpenSSH's accept-new); a changed key is always refused.",
+    ),
+    "verbose": click.option(
+        "-v",
+        "--verbose",
+        is_flag=True,
+        help="Show every rank's log lines on stderr, prefixed [rank k host].",
+    ),
+}
+HOST_OPTIONS = (
+    "hostfile",
+    "num_ranks",
+    "backend",
+    "starting_port",
+    "connections_per_ip",
+    "accept_new_host_keys",
+)
+
+
+def with_options(*names: str):
+    """Decorate a command with the named shared options, in this order."""
+
+    def apply(f):
+        for name in reversed(names):
+            f = OPTIONS[name](f)
+        return f
+
+    return apply
+
+
+launch_options = with_options(
+    *HOST_OPTIONS, "model", "mode", "heartbeat_timeout", "start_timeout", "verbose"
+)
 
 
 @click.group()
@@ -173,6 +192,48 @@ def launch(prompt, hostfile, num_ranks, backend, model, max_tokens, temp, seed, 
         if str(e):
             click.echo(str(e), err=True)
         sys.exit(e.exit_code)
+
+
+@cli.command()
+@with_options(*HOST_OPTIONS, "model", "mode")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor(
+    hostfile,
+    num_ranks,
+    backend,
+    starting_port,
+    connections_per_ip,
+    accept_new_host_keys,
+    model,
+    mode,
+    as_json,
+):
+    """Check that every host is ready: SSH, python, versions, ports, RDMA, memory.
+
+    One row per host on stdout; every problem named on a line below the table. Exits 1 when
+    any host has a problem (versions that differ across hosts count), 0 when all are ready.
+    With --model, also checks that each host's share of the model fits in its memory
+    (memory_gb from the hostfile, else the host's physical memory).
+    """
+    import json
+
+    from .doctor import diagnose, render
+    from .modelcheck import ModelError
+
+    try:
+        hf = resolve_hostfile(hostfile, num_ranks, backend)
+    except HostfileError as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        reports = diagnose(hf, model, mode, starting_port, accept_new_host_keys)
+    except (ModelError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+    if as_json:
+        ok = all(r.ok for r in reports)
+        click.echo(json.dumps({"ok": ok, "hosts": [r.to_json() for r in reports]}, indent=2))
+    else:
+        click.echo(render(reports), nl=False)
+    sys.exit(0 if all(r.ok for r in reports) else 1)
 
 
 def main():

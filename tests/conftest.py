@@ -59,6 +59,19 @@ def models(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    """A real OpenSSH server on 127.0.0.1 (see tests/sshd.py)."""
+    from sshd import SSHD, start_sshd
+
+    if not Path(SSHD).exists():
+        pytest.skip("needs openssh-server")
+    server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.proc.terminate()
+    server.proc.wait(10)
+
+
 _reference_cache: dict = {}
 
 

@@ -9,19 +9,11 @@ from pathlib import Path
 
 import pytest
 from conftest import CLI, rank_pids, reference, run_cli
-from sshd import SSHD, keygen, start_sshd
+from sshd import SSHD, keygen
 
 pytestmark = pytest.mark.skipif(not Path(SSHD).exists(), reason="needs openssh-server")
 
 PROMPT = "Tell me about lists"
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    yield server
-    server.proc.terminate()
-    server.proc.wait(10)
 
 
 def hostfile(sshd, tmp_path, hosts, **kw):

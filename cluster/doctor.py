@@ -1,0 +1,295 @@
+"""`mlx-cluster doctor`: is every host of a hostfile ready to run a job?
+
+One probe per host (a short Python program run with the host's own interpreter, locally or over
+SSH) reports versions, memory, busy ports and RDMA devices; the checks compare them across hosts
+and against the model's share. The probe imports nothing of ours, so it also works where
+mlx-cluster is missing or broken.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .backends import rank_envs
+from .hostfile import Host, Hostfile
+from .modelcheck import check_shardable, looks_like_repo, read_config, text_config
+from .process import rank_python
+
+PACKAGES = ("mlx", "mlx-lm", "mlx-cluster")
+JACCL_MIN_MACOS = (26, 2)
+FIT_FRACTION = 0.85  # of a host's memory a rank's weights may take
+
+PROBE = r"""
+import json, os, platform, shutil, socket, subprocess, sys
+from importlib import metadata
+args = json.loads(sys.argv[1])
+out = {"python": sys.executable, "python_version": platform.python_version(),
+       "system": platform.system(), "macos": platform.mac_ver()[0] or None, "packages": {}}
+for name in args["packages"]:
+    try:
+        out["packages"][name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        out["packages"][name] = None
+try:
+    out["memory_bytes"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+except (ValueError, OSError, AttributeError):
+    out["memory_bytes"] = None
+busy = []
+for ip, port in args["ports"]:
+    s = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET)
+    try:
+        s.bind((ip, port))
+    except OSError as e:
+        busy.append(f"{ip}:{port} ({e.strerror})")
+    finally:
+        s.close()
+out["busy_ports"] = busy
+if args["rdma"]:
+    exe = shutil.which("ibv_devices")
+    if exe is None:
+        out["ibv_devices"] = None
+    else:
+        lines = subprocess.run([exe], capture_output=True, text=True).stdout.splitlines()
+        out["ibv_devices"] = [l.split()[0] for l in lines[2:] if l.strip()]
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class HostReport:
+    host: Host
+    ranks: list[int]
+    ssh: str = "local"
+    probe: dict[str, Any] | None = None
+    share_bytes: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.probe or {}
+        return {
+            "host": self.host.target,
+            "index": self.host.index,
+            "ranks": self.ranks,
+            "ssh": self.ssh,
+            "python": p.get("python"),
+            "python_version": p.get("python_version"),
+            "macos": p.get("macos"),
+            "versions": p.get("packages"),
+            "memory_bytes": self._memory(),
+            "model_share_bytes": self.share_bytes,
+            "busy_ports": p.get("busy_ports"),
+            "ibv_devices": p.get("ibv_devices"),
+            "ok": self.ok,
+            "problems": self.problems,
+        }
+
+    def _memory(self) -> int | None:
+        if self.host.memory_gb:
+            return int(self.host.memory_gb * 1e9)
+        return (self.probe or {}).get("memory_bytes")
+
+
+def probe_args(hostfile: Hostfile, host: Host, ports: list[tuple[str, int]]) -> str:
+    return json.dumps(
+        {
+            "packages": PACKAGES,
+            "ports": ports,
+            "rdma": bool(host.rdma) or hostfile.backend != "ring",
+        }
+    )
+
+
+def run_probe(hostfile: Hostfile, host: Host, ports, accept_new: bool) -> HostReport:
+    report = HostReport(host, [])
+    python = rank_python(host, hostfile.python)
+    command = [python, "-c", PROBE, probe_args(hostfile, host, ports)]
+    try:
+        if host.is_local:
+            p = subprocess.run(command, capture_output=True, text=True, timeout=60)
+            status, out, err = p.returncode, p.stdout, p.stderr
+        else:
+            from .ssh import SSHError, connect, run
+
+            try:
+                client = connect(host, hostfile, accept_new)
+            except SSHError as e:
+                report.ssh = "failed"
+                report.problems.append(str(e).removeprefix(f"{host.label}: "))
+                return report
+            report.ssh = "ok"
+            try:
+                status, out, err = run(client, shlex.join(command), timeout=60)
+            finally:
+                client.close()
+    except FileNotFoundError:
+        status, out, err = 127, "", f"{python}: not found"
+    except subprocess.TimeoutExpired:
+        status, out, err = 124, "", "the probe did not finish within 60 s"
+    if status != 0:
+        last = err.strip().splitlines()[-1] if err.strip() else f"exit status {status}"
+        report.problems.append(f"python {python} does not run: {last}")
+        return report
+    report.probe = json.loads(out)
+    return report
+
+
+def ring_ports(hostfile: Hostfile, starting_port: int | None) -> dict[int, list[tuple[str, int]]]:
+    """Per host, the ring ports its ranks will bind (when known before the job starts)."""
+    if hostfile.backend != "ring" or hostfile.world_size == 1:
+        return {}
+    ports: dict[int, list[tuple[str, int]]] = {}
+    for env in rank_envs(hostfile, starting_port):
+        addresses = json.loads(env.files["MLX_HOSTFILE"])[env.rank]
+        for address in addresses:
+            ip, _, port = address.rpartition(":")
+            ports.setdefault(env.host.index, []).append((ip.strip("[]"), int(port)))
+    return ports
+
+
+def model_shares(model: str, mode: str, hostfile: Hostfile) -> dict[int, int]:
+    """Bytes of weights each rank holds (pipeline: its layers' share, plus embeddings/head)."""
+    path = Path(model).expanduser()
+    config = read_config(path)
+    n = hostfile.world_size
+    check_shardable(config, mode, n)
+    total = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    if n == 1:
+        return {0: total}
+    if mode == "tensor":
+        return dict.fromkeys(range(n), total // n)
+    layers = text_config(config).get("num_hidden_layers") or n
+    base, extra = divmod(layers, n)
+    split = [base + (1 if r < extra else 0) for r in range(n)]
+    per_layer = total / (layers + 2)  # embeddings and head counted as about two layers each
+    return {r: int(per_layer * (split[r] + 2)) for r in range(n)}
+
+
+def diagnose(
+    hostfile: Hostfile,
+    model: str | None = None,
+    mode: str = "pipeline",
+    starting_port: int | None = None,
+    accept_new: bool = False,
+) -> list[HostReport]:
+    ports = ring_ports(hostfile, starting_port)
+    with ThreadPoolExecutor(max_workers=min(16, len(hostfile.hosts))) as pool:
+        reports = list(
+            pool.map(
+                lambda h: run_probe(hostfile, h, ports.get(h.index, []), accept_new), hostfile.hosts
+            )
+        )
+    rank = 0
+    for report in reports:
+        report.ranks = list(range(rank, rank + report.host.slots))
+        rank += report.host.slots
+
+    probed = [r for r in reports if r.probe]
+    for name in PACKAGES:
+        versions = {r.probe["packages"][name] for r in probed}
+        for r in probed:
+            if r.probe["packages"][name] is None:
+                r.problems.append(f"{name} is not installed for {r.probe['python']}")
+        if len(versions - {None}) > 1:
+            seen = ", ".join(f"{r.host.target}: {r.probe['packages'][name]}" for r in probed)
+            for r in probed:
+                r.problems.append(f"{name} versions differ across hosts ({seen})")
+    for r in probed:
+        for busy in r.probe.get("busy_ports") or []:
+            r.problems.append(f"ring port {busy} is in use; pass another --starting-port")
+        if hostfile.backend != "ring":
+            _check_jaccl(r)
+
+    if model and not looks_like_repo(model) and Path(model).expanduser().exists():
+        shares = model_shares(model, mode, hostfile)
+        for r in reports:
+            r.share_bytes = sum(shares[k] for k in r.ranks)
+            memory = r._memory()
+            if memory and r.share_bytes > FIT_FRACTION * memory:
+                r.problems.append(
+                    f"the model's share for ranks {r.ranks} ({r.share_bytes / 1e9:.1f} GB in "
+                    f"{mode} mode) does not fit in {FIT_FRACTION:.0%} of "
+                    f"{memory / 1e9:.1f} GB; add hosts or use a smaller quantization"
+                )
+    return reports
+
+
+def _check_jaccl(r: HostReport) -> None:
+    probe = r.probe
+    macos = probe.get("macos")
+    if probe.get("system") != "Darwin":
+        r.problems.append(
+            f"JACCL needs macOS {'.'.join(map(str, JACCL_MIN_MACOS))}+ with "
+            f"Thunderbolt 5; this host runs {probe.get('system')}"
+        )
+    elif tuple(int(x) for x in macos.split(".")[:2]) < JACCL_MIN_MACOS:
+        r.problems.append(f"JACCL needs macOS 26.2 or later; this host has {macos}")
+    devices = probe.get("ibv_devices")
+    wanted = {
+        d for cell in r.host.rdma if cell for d in ([cell] if isinstance(cell, str) else cell)
+    }
+    if devices is None:
+        r.problems.append(
+            "ibv_devices not found: RDMA is not available (enable it with "
+            "`rdma_ctl enable` in Recovery)"
+        )
+    else:
+        missing = sorted(wanted - set(devices))
+        if missing:
+            r.problems.append(
+                f"RDMA device(s) {', '.join(missing)} from the hostfile are not "
+                f"in ibv_devices ({', '.join(devices) or 'none'})"
+            )
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def render(reports: list[HostReport]) -> str:
+    """The table on stdout, then one line per problem."""
+    header = [
+        "HOST",
+        "RANKS",
+        "SSH",
+        "PYTHON",
+        *(p.upper() for p in PACKAGES),
+        "MEMORY",
+        "MODEL SHARE",
+        "STATUS",
+    ]
+    rows = [header]
+    for r in reports:
+        p = r.probe or {}
+        versions = [(p.get("packages") or {}).get(name) or "-" for name in PACKAGES]
+        memory = r._memory()
+        rows.append(
+            [
+                f"{r.host.index} {r.host.target}",
+                ",".join(map(str, r.ranks)),
+                r.ssh,
+                p.get("python_version") or "-",
+                *versions,
+                f"{memory / 1e9:.1f} GB" if memory else "-",
+                f"{r.share_bytes / 1e9:.2f} GB" if r.share_bytes is not None else "-",
+                "ok" if r.ok else "FAIL",
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    ]
+    for r in reports:
+        lines.extend(f"host {r.host.index} ({r.host.target}): {problem}" for problem in r.problems)
+    return "\n".join(lines) + "\n"
