@@ -56,6 +56,22 @@ def ssh_target(host: Host, hostfile: Hostfile) -> SSHTarget:
     )
 
 
+class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
+    """OpenSSH's accept-new: trust an unknown host's key and append it to known_hosts (the
+    rest of the file is left exactly as it was); a changed key is still refused by paramiko."""
+
+    def __init__(self, known_hosts: Path):
+        self.known_hosts = known_hosts
+
+    def missing_host_key(self, client, hostname, key):
+        self.known_hosts.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(self.known_hosts, "a") as f:
+            if f.tell() == 0:  # a new file: private, like OpenSSH makes it
+                os.fchmod(f.fileno(), 0o600)
+            f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+        client.get_host_keys().add(hostname, key.get_name(), key)
+
+
 def connect(host: Host, hostfile: Hostfile, accept_new: bool = False) -> paramiko.SSHClient:
     target = ssh_target(host, hostfile)
     where = f"{host.label}"
@@ -64,10 +80,7 @@ def connect(host: Host, hostfile: Hostfile, accept_new: bool = False) -> paramik
     if known.exists():
         client.load_host_keys(str(known))
     if accept_new:
-        known.parent.mkdir(parents=True, exist_ok=True)
-        known.touch(mode=0o600, exist_ok=True)
-        client.load_host_keys(str(known))  # so save_host_keys writes to it
-        client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+        client.set_missing_host_key_policy(AcceptNewPolicy(known))
     else:
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
     try:
@@ -109,8 +122,6 @@ def connect(host: Host, hostfile: Hostfile, accept_new: bool = False) -> paramik
             f"{where}: cannot reach {target.hostname}:{target.port} ({e}); is the host up, "
             "Remote Login (sshd) enabled and the port right?"
         ) from None
-    if accept_new:
-        client.save_host_keys(str(known))
     return client
 
 
