@@ -182,7 +182,12 @@ def open_ranks(
     ranks = [
         LocalRank(r, job_dir)
         if r.host.is_local
-        else RemoteRank(r, clients[r.host.index], job_dir.name)
+        else RemoteRank(
+            r,
+            clients[r.host.index],
+            job_dir.name,
+            reconnect=lambda h=r.host: connect(h, hostfile, accept_new_host_keys),
+        )
         for r in launches
     ]
     return ranks, list(clients.values())
@@ -281,18 +286,30 @@ class Job:
     def check_liveness(self) -> None:
         """A rank silent past the heartbeat timeout, or not ready by the start deadline, fails."""
         now = time.monotonic()
-        for state in self.states:
-            if state.exit_code is not None:
-                continue
-            silent = now - state.last_seen
-            if silent > self.options.heartbeat_timeout:
-                state.unresponsive = True
-                state.error = (
-                    f"sent nothing for {silent:.1f} s (heartbeat timeout "
-                    f"{self.options.heartbeat_timeout:g} s): the process is stopped or hung, or "
-                    "its host is unreachable"
+        silent = sorted(
+            (
+                s
+                for s in self.states
+                if s.exit_code is None and now - s.last_seen > self.options.heartbeat_timeout
+            ),
+            key=lambda s: s.last_seen,
+        )
+        if silent:
+            # The rank silent longest most likely stopped first; the others may only be
+            # waiting on it, and are named too so nothing is hidden.
+            state = silent[0]
+            state.unresponsive = True
+            state.error = (
+                f"sent nothing for {now - state.last_seen:.1f} s (heartbeat timeout "
+                f"{self.options.heartbeat_timeout:g} s): the process is stopped or hung, or "
+                "its host is unreachable"
+            )
+            if silent[1:]:
+                others = ", ".join(
+                    f"rank {s.rank} on {s.host} ({now - s.last_seen:.1f} s)" for s in silent[1:]
                 )
-                self.fail(state)
+                state.error += f"; also silent: {others}"
+            self.fail(state)
         if (
             self.ready < len(self.ranks)
             and time.perf_counter() - self.started > self.options.start_timeout

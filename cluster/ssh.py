@@ -14,7 +14,10 @@ import os
 import posixpath
 import queue
 import shlex
+import signal
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from .hostfile import Host, Hostfile
 from .process import RankLaunch, node_command
 
 CONNECT_TIMEOUT_S = 10.0
+STOP_GRACE_S = 5.0
 FORWARDED_SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
@@ -139,7 +143,15 @@ def env_script(env: dict[str, str]) -> str:
 class RemoteRank:
     """A rank on another host, started over an SSH channel (no pty: tokens are not held back)."""
 
-    def __init__(self, launch: RankLaunch, client: paramiko.SSHClient, job_id: str):
+    def __init__(
+        self,
+        launch: RankLaunch,
+        client: paramiko.SSHClient,
+        job_id: str,
+        reconnect: Callable[[], paramiko.SSHClient] | None = None,
+    ):
+        self.reconnect = reconnect
+        self._exited = False  # an exit status came back: the process is surely gone
         self.launch = launch
         self.rank = launch.rank
         self.host = launch.host
@@ -151,6 +163,14 @@ class RemoteRank:
         self._done = threading.Event()
 
     def start(self, events: queue.Queue) -> None:
+        try:
+            self._start(events)
+        except Exception:
+            self.exit_code = 255  # never ran: nothing to wait for or to signal
+            self._done.set()
+            raise
+
+    def _start(self, events: queue.Queue) -> None:
         status, home, err = run(self.client, 'printf %s "$HOME"')
         if status != 0:
             raise SSHError(f"{self.host.label}: cannot run commands: {err.strip()}")
@@ -206,6 +226,7 @@ class RemoteRank:
             t.join()
         status = chan.recv_exit_status()  # returns once the channel is closed, even if dropped
         # -1: no status came: the process died by a signal, or the connection dropped.
+        self._exited = status != -1
         self.exit_code = 255 if status == -1 else status
         events.put(("exit", self.rank, self.exit_code))
         self._done.set()
@@ -220,17 +241,37 @@ class RemoteRank:
         return self.exit_code
 
     def send_signal(self, sig: int) -> None:
-        if self.channel is None or self._done.is_set():
+        """Signal the remote process group itself, over a new connection if the old one
+        dropped (a dropped channel does not end a process that is not writing)."""
+        if self.channel is None or self._exited:
             return
-        pid = f"$(cat {shlex.quote(self.dir)}/pid)"
+        client = self._live_client()
+        pid = f"$(cat {shlex.quote(self.dir)}/pid 2>/dev/null)"
+
+        def kill(s: int) -> str:  # the process group first, the process if that fails
+            return f"kill -{int(s)} -- -{pid} 2>/dev/null || kill -{int(s)} {pid} 2>/dev/null"
+
         try:
-            run(
-                self.client,
-                f"kill -{int(sig)} -- -{pid} 2>/dev/null || kill -{int(sig)} {pid}",
-                timeout=CONNECT_TIMEOUT_S,
-            )
+            run(client, kill(sig), timeout=CONNECT_TIMEOUT_S)
+            if self._done.is_set() and sig != signal.SIGKILL:
+                # No channel to wait on: poll the process until it is gone, then insist.
+                deadline = time.monotonic() + STOP_GRACE_S
+                while time.monotonic() < deadline:
+                    if run(client, f"kill -0 {pid} 2>/dev/null", CONNECT_TIMEOUT_S)[0] != 0:
+                        return
+                    time.sleep(0.2)
+                run(client, kill(signal.SIGKILL), timeout=CONNECT_TIMEOUT_S)
         except (paramiko.SSHException, OSError, EOFError):
-            pass  # the connection is gone; the channel's close ends the remote shell
+            pass  # the host is unreachable: nothing more can be done from here
+
+    def _live_client(self) -> paramiko.SSHClient:
+        transport = self.client.get_transport()
+        if (transport is None or not transport.is_active()) and self.reconnect is not None:
+            try:
+                self.client = self.reconnect()
+            except SSHError:
+                pass
+        return self.client
 
     def wait(self, timeout: float | None = None) -> int | None:
         self._done.wait(timeout)
@@ -241,7 +282,11 @@ class RemoteRank:
             return
         try:
             d, parent = shlex.quote(self.dir), shlex.quote(posixpath.dirname(self.dir))
-            run(self.client, f"rm -rf {d}; rmdir {parent} 2>/dev/null", timeout=CONNECT_TIMEOUT_S)
+            run(
+                self._live_client(),
+                f"rm -rf {d}; rmdir {parent} 2>/dev/null",
+                timeout=CONNECT_TIMEOUT_S,
+            )
         except (paramiko.SSHException, OSError, EOFError):
             pass
 

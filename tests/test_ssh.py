@@ -29,9 +29,17 @@ def over_ssh(sshd, slots):
 LOCAL = "  - ssh: localhost\n"
 
 
-def remote_job_dirs():
+def job_dirs():
     jobs = Path("~/.cache/mlx-cluster/jobs").expanduser()
-    return sorted(jobs.iterdir()) if jobs.exists() else []
+    return set(jobs.iterdir()) if jobs.exists() else set()
+
+
+@pytest.fixture(autouse=True)
+def no_job_dir_left():
+    """Every job removes the per-job directories it made on the (ssh) hosts."""
+    before = job_dirs()
+    yield
+    assert job_dirs() - before == set()
 
 
 @pytest.mark.parametrize("hosts", ["ssh2", "local+ssh2"])
@@ -53,7 +61,6 @@ def test_ranks_over_ssh_match_single_process(sshd, models, tmp_path, hosts):
         )
         assert p.returncode == 0, p.stderr
         assert p.stdout == reference(models["llama"], PROMPT, 40)
-    assert remote_job_dirs() == []  # the per-job directories were removed
 
 
 def test_unknown_host_key_is_refused_then_accepted_on_request(sshd, models, tmp_path):
@@ -141,7 +148,6 @@ def test_kill_9_of_a_remote_rank_ends_the_job(sshd, models, tmp_path):
     assert proc.returncode == 1
     assert f"error: rank 2 of 3 on 127.0.0.1:{sshd.port}" in err.decode()
     assert rank_pids() == []
-    assert remote_job_dirs() == []
 
 
 def test_sigint_with_remote_ranks(sshd, models, tmp_path):
@@ -153,7 +159,6 @@ def test_sigint_with_remote_ranks(sshd, models, tmp_path):
     proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert rank_pids() == []
-    assert remote_job_dirs() == []
 
 
 @pytest.mark.parametrize("where", ["local", "ssh"])
@@ -215,3 +220,24 @@ def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
             stdin=stdin,
         )
     assert out.getvalue() == "first line\nzweite Zeile é\n".encode()
+
+
+def test_dropped_ssh_connection_stops_the_orphaned_ranks(sshd, models, tmp_path):
+    """Kill sshd's process for our connection: the remote ranks live on, unseen; the launcher
+    reports the drop and stops them over a new connection."""
+    hf = hostfile(sshd, tmp_path, LOCAL + over_ssh(sshd, 2))
+    proc = start_streaming(
+        ["--hostfile", hf, "--model", models["endless"], "--max-tokens", 1000000, PROMPT]
+    )
+    sessions = subprocess.run(
+        ["pgrep", "-P", str(sshd.proc.pid)], capture_output=True, text=True
+    ).stdout.split()
+    assert sessions
+    dropped = time.monotonic()
+    for pid in sessions:
+        os.kill(int(pid), signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert time.monotonic() - dropped < 15
+    assert "was killed by a signal or lost its SSH connection" in err.decode()
+    assert rank_pids() == []
