@@ -481,6 +481,7 @@ def _stop_all(ranks: list[LocalRank], states: list[RankState], events: queue.Que
     """SIGTERM every live rank, SIGKILL what is left after a grace period, wait for all."""
     for r in ranks:
         r.send_signal(signal.SIGTERM)
+        r.send_signal(signal.SIGCONT)  # a stopped (SIGSTOP) rank acts on the TERM only then
     deadline = time.monotonic() + STOP_GRACE_S
     for r in ranks:
         if r.wait(max(0.0, deadline - time.monotonic())) is None:

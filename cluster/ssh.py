@@ -253,7 +253,7 @@ class RemoteRank:
 
         try:
             run(client, kill(sig), timeout=CONNECT_TIMEOUT_S)
-            if self._done.is_set() and sig != signal.SIGKILL:
+            if self._done.is_set() and sig == signal.SIGTERM:
                 # No channel to wait on: poll the process until it is gone, then insist.
                 deadline = time.monotonic() + STOP_GRACE_S
                 while time.monotonic() < deadline:
