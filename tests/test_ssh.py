@@ -241,3 +241,38 @@ def test_dropped_ssh_connection_stops_the_orphaned_ranks(sshd, models, tmp_path)
     assert time.monotonic() - dropped < 15
     assert "was killed by a signal or lost its SSH connection" in err.decode()
     assert rank_pids() == []
+
+
+def test_secrets_travel_in_a_private_file_not_argv(sshd, models, tmp_path):
+    """HF_TOKEN reaches the remote rank through its 0600 env file; no process has it in argv."""
+    fake = tmp_path / "python-shows-env"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'echo "token=$HF_TOKEN"\n'
+        'echo "in argv: $(ps -eo args | grep -v grep | grep -c s3cret-token)"\n'
+        'spec_dir=$(dirname "$5"); echo "env file: $(stat -c %a "$spec_dir/env.sh")"\n'
+    )
+    fake.chmod(0o755)
+    path = tmp_path / "hosts.yaml"
+    path.write_text(sshd.hostfile(over_ssh(sshd, 1), str(fake)))
+    p = run_cli(
+        "launch",
+        "--verbose",
+        "--hostfile",
+        path,
+        "--model",
+        models["llama"],
+        PROMPT,
+        env={"HF_TOKEN": "s3cret-token"},
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "token=s3cret-token\nin argv: 0\nenv file: 600\n"
+    assert "s3cret" not in p.stderr
+
+
+def test_start_timeout_names_the_rank(models):
+    p = run_cli("launch", "--start-timeout", 1, "--model", models["llama"], PROMPT)
+    assert p.returncode == 1
+    assert "stopped responding while" in p.stderr
+    assert "not ready after the start timeout of 1 s (--start-timeout)" in p.stderr
+    assert rank_pids() == []
