@@ -22,12 +22,12 @@ class RankEnv:
     files: dict[str, str] = field(default_factory=dict)
 
 
-def free_port(ip: str) -> int:
-    """A port the OS says is free on ``ip`` now (it may be taken again before MLX binds it)."""
+def _bind_free(ip: str) -> socket.socket:
+    """A socket bound to a port the OS says is free on ``ip``; closing it frees the port."""
     family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.bind((ip, 0))
+    return s
 
 
 def port_in_use(ip: str, port: int) -> bool:
@@ -59,17 +59,34 @@ def ring_addresses(
         raise HostfileError(f"--connections-per-ip must be at least 1, got {connections_per_ip}")
     port = starting_port if starting_port is not None else 32323
     addresses = []
-    for host in ranks:
-        node = []
-        for ip in host.ips:
-            for _ in range(connections_per_ip):
-                if starting_port is None and host.is_local:
-                    node.append(_join(ip, free_port(ip)))
-                else:
-                    node.append(_join(ip, port))
-                    port += 1
-        addresses.append(node)
+    held = []  # keep each picked port bound until all are picked, so none is picked twice
+    try:
+        for host in ranks:
+            node = []
+            for ip in host.ips:
+                for _ in range(connections_per_ip):
+                    if starting_port is None and host.is_local:
+                        held.append(_bind_free(ip))
+                        node.append(_join(ip, held[-1].getsockname()[1]))
+                    else:
+                        node.append(_join(ip, port))
+                        port += 1
+            addresses.append(node)
+    finally:
+        for s in held:
+            s.close()
     return addresses
+
+
+def ring_ports(files: dict[str, str], rank: int) -> list[tuple[str, int]]:
+    """(ip, port) pairs that ``rank`` binds, read back from its MLX_HOSTFILE text."""
+    if "MLX_HOSTFILE" not in files:
+        return []
+    pairs = []
+    for address in json.loads(files["MLX_HOSTFILE"])[rank]:
+        ip, _, port = address.rpartition(":")
+        pairs.append((ip.strip("[]"), int(port)))
+    return pairs
 
 
 def _join(ip: str, port: int) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .backends import rank_envs
+from .backends import rank_envs, ring_ports
 from .hostfile import Host, Hostfile
 from .modelcheck import check_shardable, looks_like_repo, read_config, text_config
 from .process import rank_python
@@ -143,16 +143,13 @@ def run_probe(hostfile: Hostfile, host: Host, ports, accept_new: bool) -> HostRe
     return report
 
 
-def ring_ports(hostfile: Hostfile, starting_port: int | None) -> dict[int, list[tuple[str, int]]]:
+def planned_ports(hostfile: Hostfile, starting_port: int | None) -> dict[int, list]:
     """Per host, the ring ports its ranks will bind (when known before the job starts)."""
     if hostfile.backend != "ring" or hostfile.world_size == 1:
         return {}
-    ports: dict[int, list[tuple[str, int]]] = {}
+    ports: dict[int, list] = {}
     for env in rank_envs(hostfile, starting_port):
-        addresses = json.loads(env.files["MLX_HOSTFILE"])[env.rank]
-        for address in addresses:
-            ip, _, port = address.rpartition(":")
-            ports.setdefault(env.host.index, []).append((ip.strip("[]"), int(port)))
+        ports.setdefault(env.host.index, []).extend(ring_ports(env.files, env.rank))
     return ports
 
 
@@ -181,7 +178,7 @@ def diagnose(
     starting_port: int | None = None,
     accept_new: bool = False,
 ) -> list[HostReport]:
-    ports = ring_ports(hostfile, starting_port)
+    ports = planned_ports(hostfile, starting_port)
     with ThreadPoolExecutor(max_workers=min(16, len(hostfile.hosts))) as pool:
         reports = list(
             pool.map(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .backends import port_in_use, rank_envs
+from .backends import port_in_use, rank_envs, ring_ports
 from .hostfile import Hostfile
 from .modelcheck import ModelError, check_shardable, looks_like_repo, read_config
 from .process import LocalRank, RankLaunch, make_job_dir, rank_python
@@ -96,13 +96,10 @@ def preflight(hostfile: Hostfile, options: JobOptions) -> None:
 def check_ports(hostfile: Hostfile, launches: list[RankLaunch]) -> None:
     """A ring port that is taken on this machine fails fast with the rank and port named."""
     for launch in launches:
-        if not launch.host.is_local or "MLX_HOSTFILE" not in launch.files:
+        if not launch.host.is_local:
             continue
-        addresses = json.loads(launch.files["MLX_HOSTFILE"])[launch.rank]
-        for address in addresses:
-            ip, _, port = address.rpartition(":")
-            ip = ip.strip("[]")
-            if port_in_use(ip, int(port)):
+        for ip, port in ring_ports(launch.files, launch.rank):
+            if port_in_use(ip, port):
                 raise LaunchError(
                     f"port {port} on {ip} (rank {launch.rank}, {launch.host.label}) is already "
                     "in use; pass another --starting-port, or omit it to pick free ports",
