@@ -25,7 +25,23 @@ def resolve_hostfile(path: str | None, num_ranks: int | None, backend: str | Non
     return hostfile
 
 
+def parse_split(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give layer counts like 20,12") from None
+
+
 OPTIONS = {
+    "split": click.option(
+        "--split",
+        callback=parse_split,
+        metavar="N,N,...",
+        help="Pipeline layers per rank, rank 0 first (rank 0 holds the last layers). Default: "
+        "in proportion to the hosts' memory_gb when every host gives it, else even.",
+    ),
     "hostfile": click.option(
         "--hostfile",
         type=click.Path(dir_okay=False),
@@ -122,7 +138,7 @@ def with_options(*names: str):
 
 
 launch_options = with_options(
-    *HOST_OPTIONS, "model", "mode", "heartbeat_timeout", "start_timeout", "verbose"
+    *HOST_OPTIONS, "model", "mode", "split", "heartbeat_timeout", "start_timeout", "verbose"
 )
 
 

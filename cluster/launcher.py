@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from .backends import port_in_use, rank_envs, ring_ports
 from .hostfile import Hostfile
-from .modelcheck import ModelError, check_shardable, looks_like_repo, read_config
+from .modelcheck import ModelError, check_shardable, choose_split, looks_like_repo, read_config
 from .process import LocalRank, RankLaunch, make_job_dir, rank_python
 from .protocol import decode_event
 
@@ -59,6 +59,7 @@ class JobOptions:
     start_timeout: float = 1800.0
     accept_new_host_keys: bool = False
     forward_stdin: bool = False  # our stdin goes on to rank 0 (interactive chat)
+    split: list[int] | None = None  # pipeline layers per rank (rank 0 holds the last layers)
 
 
 @dataclass
@@ -82,15 +83,30 @@ class JobResult:
     ready_s: float | None = None
 
 
-def preflight(hostfile: Hostfile, options: JobOptions) -> None:
-    """Checks that need no rank: the model's config (when it is here) and local ports."""
+def split_weights(hostfile: Hostfile) -> list[float] | None:
+    """Per-rank memory (a host's memory_gb shared by its slots) when every host gives it."""
+    hosts = hostfile.rank_hosts()
+    if not all(h.memory_gb for h in hosts):
+        return None
+    return [h.memory_gb / h.slots for h in hosts]
+
+
+def preflight(hostfile: Hostfile, options: JobOptions) -> list[int] | None:
+    """Checks that need no rank: the model's config (when it is here). Returns the pipeline
+    split when one is chosen (explicit or by memory), None for the even split."""
+    n = hostfile.world_size
+    if options.split and (options.mode != "pipeline" or n < 2):
+        raise ModelError("--split is for pipeline mode with 2 or more ranks")
     path = Path(options.model).expanduser()
     elsewhere = not path.exists() and not all(h.is_local for h in hostfile.hosts)
     if looks_like_repo(options.model) or elsewhere:  # the hosts fetch or hold it; each checks
-        check_shardable({}, options.mode, hostfile.world_size)
-    else:
-        config = read_config(path)
-        check_shardable(config, options.mode, hostfile.world_size)
+        check_shardable({}, options.mode, n)
+        return options.split
+    config = read_config(path)
+    check_shardable(config, options.mode, n)
+    if options.mode != "pipeline":
+        return None
+    return choose_split(config, n, options.split, split_weights(hostfile))
 
 
 def check_ports(hostfile: Hostfile, launches: list[RankLaunch]) -> None:
@@ -107,12 +123,16 @@ def check_ports(hostfile: Hostfile, launches: list[RankLaunch]) -> None:
                 )
 
 
-def job_spec(options: JobOptions, world_size: int, rank: int) -> str:
+def job_spec(
+    options: JobOptions, world_size: int, rank: int, weights: list[float] | None = None
+) -> str:
     spec: dict[str, Any] = {
         "command": "generate",
         "model": options.model,
         "mode": options.mode,
         "world_size": world_size,
+        "split": options.split,
+        "split_weights": weights,
     }
     if rank == 0:  # the prompt goes only where it is needed
         spec["request"] = {
@@ -136,7 +156,7 @@ def plan(hostfile: Hostfile, options: JobOptions) -> list[RankLaunch]:
             python=rank_python(e.host, hostfile.python),
             env=e.env,
             files=e.files,
-            spec=job_spec(options, len(envs), e.rank),
+            spec=job_spec(options, len(envs), e.rank, split_weights(hostfile)),
             cwd=e.host.cwd,
             extra_env=hostfile.env,
             stdin=options.forward_stdin and e.rank == 0,
@@ -341,7 +361,7 @@ def run_job(
     stderr = stderr or sys.stderr
     started = time.perf_counter() if started is None else started
     try:
-        preflight(hostfile, options)
+        split = preflight(hostfile, options)
         launches = plan(hostfile, options)
     except (ModelError, ValueError) as e:
         raise LaunchError(f"error: {e}", exit_code=2) from e
@@ -359,6 +379,8 @@ def run_job(
             f"starting {len(ranks)} rank(s), {options.mode} mode, "
             f"{hostfile.backend} backend, model {options.model}",
         )
+        if split:
+            log(stderr, f"pipeline split, layers per rank: {','.join(map(str, split))}")
         job.run()
     except Interrupted as e:
         if job is not None:

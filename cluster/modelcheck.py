@@ -67,7 +67,7 @@ def check_shardable(config: dict[str, Any], mode: str, num_ranks: int) -> None:
     if num_ranks < 2:
         return
     cfg = text_config(config)
-    layers = cfg.get("num_hidden_layers") or cfg.get("n_layers") or cfg.get("num_layers")
+    layers = num_layers(config)
     if mode == "pipeline":
         if layers is not None and num_ranks > layers:
             raise ModelError(
@@ -99,3 +99,55 @@ def check_shardable(config: dict[str, Any], mode: str, num_ranks: int) -> None:
             f"{'is' if len(bad) == 1 else 'are'} not divisible by {num_ranks} ranks ({hint}); "
             "or use --mode pipeline"
         )
+
+
+def num_layers(config: dict[str, Any]) -> int | None:
+    cfg = text_config(config)
+    n = cfg.get("num_hidden_layers") or cfg.get("n_layers") or cfg.get("num_layers")
+    return n if isinstance(n, int) else None
+
+
+def check_split(split: list[int], layers: int, num_ranks: int) -> None:
+    """An explicit --split: one positive layer count per rank, summing to the model's layers."""
+    text = ",".join(map(str, split))
+    if len(split) != num_ranks:
+        raise ModelError(
+            f"--split {text} has {len(split)} entries for {num_ranks} ranks; "
+            "give one layer count per rank"
+        )
+    if any(s < 1 for s in split):
+        raise ModelError(f"--split {text}: every rank needs at least one layer")
+    if sum(split) != layers:
+        raise ModelError(f"--split {text} sums to {sum(split)} but the model has {layers} layers")
+
+
+def choose_split(
+    config: dict[str, Any], num_ranks: int, split: list[int] | None, weights: list[float] | None
+) -> list[int] | None:
+    """The pipeline split: explicit, else weighted (by memory), else None for mlx-lm's even one."""
+    layers = num_layers(config)
+    if layers is None or num_ranks < 2:
+        return None
+    if split:
+        check_split(split, layers, num_ranks)
+        return list(split)
+    if weights and len(set(weights)) > 1:
+        return weighted_split(weights, layers)
+    return None
+
+
+def weighted_split(weights: list[float], layers: int) -> list[int]:
+    """Layers per rank in proportion to ``weights`` (e.g. memory), at least one each.
+
+    Floors first, then the left-over layers go to the largest remainders (lower rank on ties).
+    """
+    n = len(weights)
+    if layers < n:
+        raise ModelError(f"{layers} layers cannot be split over {n} ranks")
+    total = sum(weights)
+    exact = [w / total * (layers - n) for w in weights]  # one layer each is given up front
+    split = [1 + int(e) for e in exact]
+    by_remainder = sorted(range(n), key=lambda r: (-(exact[r] - int(exact[r])), r))
+    for r in by_remainder[: layers - sum(split)]:
+        split[r] += 1
+    return split

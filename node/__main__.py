@@ -60,7 +60,9 @@ def run(spec: dict) -> None:
     rank = group.rank()
     emit("phase", phase="loading")
     tic = time.perf_counter()
-    loaded = load_shard(spec["model"], spec["mode"], group, spec.get("split"))
+    loaded = load_shard(
+        spec["model"], spec["mode"], group, spec.get("split"), spec.get("split_weights")
+    )
     barrier(group)
     emit("ready", load_s=time.perf_counter() - tic, layers=loaded.layers, files=loaded.files)
 

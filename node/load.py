@@ -18,7 +18,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_model, load_tokenizer
 
-from cluster.modelcheck import ModelError, check_shardable, looks_like_repo, read_config
+from cluster.modelcheck import (
+    ModelError,
+    check_shardable,
+    choose_split,
+    looks_like_repo,
+    num_layers,
+    read_config,
+)
 
 from .stage import apply_stages, pipeline_range
 
@@ -78,7 +85,13 @@ def _view(model_dir: Path, weight_files: list[str]) -> Path:
     return view
 
 
-def load_shard(ref: str, mode: str, group, split: list[int] | None = None) -> Loaded:
+def load_shard(
+    ref: str,
+    mode: str,
+    group,
+    split: list[int] | None = None,
+    split_weights: list[float] | None = None,
+) -> Loaded:
     size, rank = group.size(), group.rank()
     model_dir = resolve_model(ref, META_PATTERNS)
     config = read_config(model_dir, require_weights=not looks_like_repo(ref))
@@ -86,8 +99,11 @@ def load_shard(ref: str, mode: str, group, split: list[int] | None = None) -> Lo
 
     layers = None
     if mode == "pipeline" and size > 1:
-        num_layers = _num_layers(config)
-        layers = pipeline_range(num_layers, size, rank, split)
+        n = num_layers(config)
+        if n is None:
+            raise ModelError(f"config of {config.get('model_type')!r} gives no num_hidden_layers")
+        split = choose_split(config, size, split, split_weights)
+        layers = pipeline_range(n, size, rank, split)
         files = weight_files_for_layers(model_dir, *layers)
         if looks_like_repo(ref):
             model_dir = resolve_model(ref, META_PATTERNS + files)
@@ -127,11 +143,3 @@ def load_shard(ref: str, mode: str, group, split: list[int] | None = None) -> Lo
 
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     return Loaded(model, tokenizer, config, layers, files)
-
-
-def _num_layers(config: dict) -> int:
-    cfg = {**config, **config.get("text_config", {})}
-    n = cfg.get("num_hidden_layers") or cfg.get("n_layers") or cfg.get("num_layers")
-    if not isinstance(n, int):
-        raise ModelError(f"config of {config.get('model_type')!r} gives no num_hidden_layers")
-    return n

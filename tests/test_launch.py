@@ -340,3 +340,67 @@ def test_pipeline_rank_reads_only_its_files(models):
     for r in (0, 1):
         assert file_of["model.embed_tokens.weight"] in lines[r]
         assert file_of["lm_head.weight"] in lines[r]
+
+
+def ready_lines(stderr):
+    return {
+        int(line.split()[1]): line
+        for line in stderr.splitlines()
+        if line.startswith("[rank ") and " loaded in " in line
+    }
+
+
+def test_explicit_split(models):
+    p = run_cli(
+        "launch",
+        "--verbose",
+        "--split",
+        "4,2",
+        "--model",
+        models["llama"],
+        "--max-tokens",
+        TOKENS,
+        PROMPT,
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == reference(models["llama"], PROMPT, TOKENS)
+    lines = ready_lines(p.stderr)
+    assert "layers 2-5" in lines[0] and "layers 0-1" in lines[1]
+
+
+def test_split_weighted_by_memory(models, tmp_path):
+    hf = tmp_path / "h.yaml"
+    hf.write_text(
+        "hosts:\n  - {ssh: localhost, memory_gb: 96}\n"
+        "  - {ssh: 127.0.0.1, memory_gb: 32}\n  - {ssh: localhost, memory_gb: 32}\n"
+    )
+    p = run_cli(
+        "launch",
+        "--verbose",
+        "--hostfile",
+        hf,
+        "--model",
+        models["qwen2"],
+        "--max-tokens",
+        TOKENS,
+        PROMPT,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "pipeline split, layers per rank: 3,2,1" in p.stderr  # 1 each, 3 more as 3:1:1
+    assert p.stdout == reference(models["qwen2"], PROMPT, TOKENS)  # mlx-lm's own pipeline()
+    lines = ready_lines(p.stderr)
+    assert "layers 3-5" in lines[0] and "layers 1-2" in lines[1] and "layers 0-0" in lines[2]
+
+
+@pytest.mark.parametrize(
+    "split, message",
+    [
+        ("3,2", "--split 3,2 sums to 5 but the model has 6 layers"),
+        ("6,0", "--split 6,0: every rank needs at least one layer"),
+        ("6", "--split 6 has 1 entries for 2 ranks"),
+    ],
+)
+def test_bad_split(models, split, message):
+    p = run_cli("launch", "--split", split, "--model", models["llama"], PROMPT)
+    assert p.returncode == 2
+    assert message in p.stderr

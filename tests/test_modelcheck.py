@@ -35,3 +35,13 @@ def test_gguf_and_empty_dirs(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ModelError, match="no .safetensors weights"):
         read_config(tmp_path)
+
+
+def test_weighted_split_gives_every_rank_a_layer_and_sums():
+    from cluster.modelcheck import choose_split, weighted_split
+
+    assert weighted_split([96, 32], 6) == [4, 2]
+    assert weighted_split([192, 192, 64], 80) == [34, 34, 12]
+    assert weighted_split([1000, 1], 4) == [3, 1]
+    assert choose_split(CFG, 2, None, [64, 64]) is None  # equal memory: mlx-lm's even split
+    assert choose_split(CFG, 2, [5, 1], [64, 16]) == [5, 1]  # explicit wins
