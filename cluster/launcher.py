@@ -69,6 +69,7 @@ class RankState:
     phase: str = "starting"
     host_is_local: bool = True
     unresponsive: bool = False  # given up on by the launcher (heartbeat or start timeout)
+    error_t: float | None = None  # when the rank reported its error (its own clock)
     last_seen: float = 0.0
     exit_code: int | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
@@ -341,7 +342,8 @@ class Job:
 
     def fail(self, state: RankState) -> None:
         self.stop_all()
-        raise LaunchError(_failure_report(state, self.states, len(self.ranks)))
+        culprit = _culprit(state, self.states)
+        raise LaunchError(_failure_report(culprit, self.states, len(self.ranks)))
 
     def stop_all(self) -> None:
         _stop_all(self.ranks, self.states, self.events)
@@ -438,7 +440,7 @@ def _ready_line(event: dict) -> str:
     return f"loaded in {event.get('load_s', 0):.2f} s: {where}; weight files: {files}"
 
 
-def _on_event(event: dict, state: RankState, result: JobResult) -> None:
+def _on_event(event: dict, state: RankState, result: JobResult | None) -> None:
     kind = event["event"]
     if kind == "phase":
         state.phase = event["phase"]
@@ -448,6 +450,8 @@ def _on_event(event: dict, state: RankState, result: JobResult) -> None:
         result.stats = event
     elif kind == "error":
         state.error = event.get("message")
+        if not event.get("peer"):  # "rank 0 failed" is an effect, never the cause
+            state.error_t = event.get("t")
 
 
 PHASE_WORDS = {
@@ -506,10 +510,12 @@ def _stop_all(ranks: list[LocalRank], states: list[RankState], events: queue.Que
         if r.wait(max(0.0, deadline - time.monotonic())) is None:
             r.send_signal(signal.SIGKILL)
             r.wait(STOP_GRACE_S)
-    # Drain what the ranks printed on the way out: it belongs in the report.
-    while True:
+    # Collect what the ranks printed on the way out, up to each one's exit (which comes after
+    # all of its output): it belongs in the report, and says which rank failed first.
+    deadline = time.monotonic() + STOP_GRACE_S
+    while any(st.exit_code is None for st in states):
         try:
-            kind, rank, payload = events.get_nowait()
+            kind, rank, payload = events.get(timeout=max(0.01, deadline - time.monotonic()))
         except queue.Empty:
             break
         if kind == "err":
@@ -517,9 +523,18 @@ def _stop_all(ranks: list[LocalRank], states: list[RankState], events: queue.Que
             if event is None:
                 states[rank].tail.append(payload.rstrip("\n"))
             elif event["event"] == "error":
-                states[rank].error = event.get("message")
+                _on_event(event, states[rank], None)
         elif kind == "exit" and states[rank].exit_code is None:
             states[rank].exit_code = payload
+
+
+def _culprit(failed: RankState, states: list[RankState]) -> RankState:
+    """The rank that failed first. Its peers often fail a moment later in a collective (their
+    exits can even arrive first), so the earliest error a rank reported is the cause."""
+    if failed.unresponsive:
+        return failed
+    reported = [s for s in states if s.error_t is not None]
+    return min(reported, key=lambda s: s.error_t) if reported else failed
 
 
 def _silence_stdout(stdout) -> None:

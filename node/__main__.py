@@ -100,17 +100,17 @@ def main(argv: list[str] | None = None) -> int:
             spec = json.load(f)
         run(spec)
     except PeerFailed as e:
-        emit("error", message=str(e), peer=True)
+        emit("error", message=str(e), peer=True, t=time.time())
         return EXIT_PEER_FAILED
     except (ModelError, ValueError, FileNotFoundError) as e:
         with _stderr_lock:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        emit("error", message=str(e))
+        emit("error", message=str(e), t=time.time())
         return EXIT_FAILED
     except Exception as e:
         with _stderr_lock:
             traceback.print_exc()
-        emit("error", message=f"{type(e).__name__}: {e}")
+        emit("error", message=f"{type(e).__name__}: {e}", t=time.time())
         return EXIT_FAILED
     return 0
 

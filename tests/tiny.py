@@ -17,6 +17,18 @@ CHAT_TEMPLATE = (
 )
 
 FAMILIES = {
+    "llama_q": {  # sizes that divide into 64-wide quantization groups, also when sharded by 2
+        "model_type": "llama",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
     "llama": {
         "model_type": "llama",
         "hidden_size": 96,
@@ -98,9 +110,17 @@ def save_sharded(weights: dict[str, mx.array], out: Path, layers_per_file: int =
 
 
 def make_model(
-    out: Path, family: str = "llama", seed: int = 0, chat_template: bool = False, **overrides
+    out: Path,
+    family: str = "llama",
+    seed: int = 0,
+    chat_template: bool = False,
+    bits: int | None = None,
+    **overrides,
 ) -> Path:
-    """Write a random float32 ``family`` model to ``out`` and return ``out``."""
+    """Write a random float32 ``family`` model to ``out`` and return ``out``.
+
+    With ``bits``, the linear layers and embeddings are quantized (group size 64) and the
+    config records it, as ``mlx_lm.convert -q`` does."""
     from mlx_lm.utils import _get_classes
 
     out.mkdir(parents=True, exist_ok=True)
@@ -113,6 +133,10 @@ def make_model(
     # Wider than the usual init so logits have clear winners (no near-ties for greedy).
     params = tree_map(lambda p: p * 8 if p.ndim == 2 else p, model.parameters())
     model.update(params)
+    if bits is not None:
+        from mlx_lm.utils import quantize_model
+
+        model, config = quantize_model(model, config, 64, bits)
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     save_sharded(weights, out)

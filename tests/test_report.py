@@ -1,0 +1,24 @@
+"""Which rank a failure report blames, when several ranks fail one after another."""
+
+from cluster.launcher import RankState, _culprit, _failure_report
+
+
+def test_the_earliest_reported_error_is_the_cause():
+    cause = RankState(
+        1, "localhost", phase="loading", exit_code=1, error="truncated file", error_t=100.0
+    )
+    peer = RankState(
+        0, "localhost", phase="loading", exit_code=1, error="[ring] Recv failed", error_t=100.2
+    )
+    # rank 0's exit arrived first, but rank 1 failed first
+    assert _culprit(peer, [peer, cause]) is cause
+    report = _failure_report(_culprit(peer, [peer, cause]), [peer, cause], 2)
+    assert report.startswith("error: rank 1 of 2 on localhost exited with code 1 while loading")
+
+
+def test_peer_notices_and_silence_do_not_move_the_blame():
+    stopped = RankState(2, "mac3", exit_code=-9, unresponsive=True)
+    noisy = RankState(0, "mac1", exit_code=1, error_t=5.0)
+    assert _culprit(stopped, [noisy, stopped]) is stopped
+    unreported = RankState(1, "mac2", exit_code=-9)
+    assert _culprit(unreported, [unreported]) is unreported
