@@ -69,7 +69,8 @@ class RankState:
     phase: str = "starting"
     host_is_local: bool = True
     unresponsive: bool = False  # given up on by the launcher (heartbeat or start timeout)
-    error_t: float | None = None  # when the rank reported its error (its own clock)
+    error_t: float | None = None  # when the rank reported its own error (its own clock)
+    stopped_by_us: bool = False  # still running when the launcher began the teardown
     last_seen: float = 0.0
     exit_code: int | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
@@ -502,7 +503,8 @@ def _failure_report(failed: RankState, states: list[RankState], world: int) -> s
 
 def _stop_all(ranks: list[LocalRank], states: list[RankState], events: queue.Queue) -> None:
     """SIGTERM every live rank, SIGKILL what is left after a grace period, wait for all."""
-    for r in ranks:
+    for r, st in zip(ranks, states, strict=True):
+        st.stopped_by_us = st.exit_code is None
         r.send_signal(signal.SIGTERM)
         r.send_signal(signal.SIGCONT)  # a stopped (SIGSTOP) rank acts on the TERM only then
     deadline = time.monotonic() + STOP_GRACE_S
@@ -529,12 +531,18 @@ def _stop_all(ranks: list[LocalRank], states: list[RankState], events: queue.Que
 
 
 def _culprit(failed: RankState, states: list[RankState]) -> RankState:
-    """The rank that failed first. Its peers often fail a moment later in a collective (their
-    exits can even arrive first), so the earliest error a rank reported is the cause."""
+    """The rank that failed first. Its peers fail a moment later in a collective ("connection
+    to a peer was lost", reported as peer errors) and their exits can even arrive first. So:
+    the earliest error a rank reported as its own; else a rank that died without a word (a
+    signal, a lost connection), preferring one the launcher did not stop itself."""
     if failed.unresponsive:
         return failed
     reported = [s for s in states if s.error_t is not None]
-    return min(reported, key=lambda s: s.error_t) if reported else failed
+    if reported:
+        return min(reported, key=lambda s: s.error_t)
+    silent = [s for s in states if s.exit_code not in (None, 0) and s.error is None]
+    silent.sort(key=lambda s: s.stopped_by_us)
+    return silent[0] if silent else failed
 
 
 def _silence_stdout(stdout) -> None:

@@ -26,6 +26,16 @@ class PeerFailed(RuntimeError):
     """Rank 0 told the others that it could not go on."""
 
 
+def is_peer_loss(e: Exception) -> bool:
+    """MLX's collectives fail like this when another rank went away."""
+    text = str(e)
+    return (
+        isinstance(e, RuntimeError)
+        and ("[ring]" in text or "[jaccl]" in text)
+        and ("lost" in text or "closed" in text or "failed" in text)
+    )
+
+
 def emit(kind: str, **fields) -> None:
     with _stderr_lock:
         sys.stderr.write(encode_event(kind, **fields))
@@ -110,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         with _stderr_lock:
             traceback.print_exc()
+        if is_peer_loss(e):  # an effect of another rank's failure, not a cause
+            emit("error", message=f"{type(e).__name__}: {e}", peer=True, t=time.time())
+            return EXIT_FAILED
         emit("error", message=f"{type(e).__name__}: {e}", t=time.time())
         return EXIT_FAILED
     return 0

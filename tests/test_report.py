@@ -22,3 +22,10 @@ def test_peer_notices_and_silence_do_not_move_the_blame():
     assert _culprit(stopped, [noisy, stopped]) is stopped
     unreported = RankState(1, "mac2", exit_code=-9)
     assert _culprit(unreported, [unreported]) is unreported
+
+
+def test_a_rank_killed_without_a_word_beats_peers_that_lost_it():
+    killed = RankState(2, "mac3", exit_code=255)
+    peer1 = RankState(1, "mac2", exit_code=1, error="[ring] connection to a peer was lost")
+    ours = RankState(0, "mac1", exit_code=-15, stopped_by_us=True)
+    assert _culprit(peer1, [ours, peer1, killed]) is killed
