@@ -47,6 +47,16 @@ def run_cli(*args, input=None, timeout=180, env=None):
     )
 
 
+def start_streaming(*args):
+    """`mlx-cluster launch ARGS` in the background; returns once rank 0's text is streaming."""
+    proc = subprocess.Popen(
+        [CLI, "launch", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    first = proc.stdout.read(1)  # blocks until rank 0 streams its first byte
+    assert first, proc.stderr.read().decode()
+    return proc
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """Tiny float32 checkpoints: llama without and qwen2 with a chat template."""

@@ -8,7 +8,7 @@ import socket
 import subprocess
 
 import pytest
-from conftest import CLI, ROOT, rank_pids, reference, run_cli
+from conftest import CLI, ROOT, rank_pids, reference, run_cli, start_streaming
 
 from cluster.modelcheck import default_model_path
 
@@ -225,15 +225,8 @@ def test_help_explains_options():
 
 
 def start_long_job(model):
-    """A job that generates far longer than the test waits; returns once text is streaming."""
-    proc = subprocess.Popen(
-        [CLI, "launch", "--model", str(model), "--max-tokens", "1000000", PROMPT],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    first = proc.stdout.read(1)  # blocks until rank 0 streams its first byte
-    assert first, proc.stderr.read().decode()
-    return proc
+    """A job that generates far longer than the test waits."""
+    return start_streaming("--model", model, "--max-tokens", 1000000, PROMPT)
 
 
 def finish(proc, timeout=20):

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CLI, rank_pids, reference, run_cli
+from conftest import rank_pids, reference, run_cli, start_streaming
 from sshd import SSHD, keygen
 
 pytestmark = pytest.mark.skipif(not Path(SSHD).exists(), reason="needs openssh-server")
@@ -123,19 +123,10 @@ def test_unreachable_port(sshd, models, tmp_path):
     assert time.monotonic() - started < 30
 
 
-def start_streaming(args):
-    proc = subprocess.Popen(
-        [CLI, "launch", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    first = proc.stdout.read(1)
-    assert first, proc.stderr.read().decode()
-    return proc
-
-
 def test_kill_9_of_a_remote_rank_ends_the_job(sshd, models, tmp_path):
     hf = hostfile(sshd, tmp_path, LOCAL + over_ssh(sshd, 2))
     proc = start_streaming(
-        ["--hostfile", hf, "--model", models["endless"], "--max-tokens", 1000000, PROMPT]
+        "--hostfile", hf, "--model", models["endless"], "--max-tokens", 1000000, PROMPT
     )
     victim = subprocess.run(
         ["pgrep", "-f", "--", "rank2/job.json"], capture_output=True, text=True
@@ -153,7 +144,7 @@ def test_kill_9_of_a_remote_rank_ends_the_job(sshd, models, tmp_path):
 def test_sigint_with_remote_ranks(sshd, models, tmp_path):
     hf = hostfile(sshd, tmp_path, LOCAL + over_ssh(sshd, 1))
     proc = start_streaming(
-        ["--hostfile", hf, "--model", models["endless"], "--max-tokens", 1000000, PROMPT]
+        "--hostfile", hf, "--model", models["endless"], "--max-tokens", 1000000, PROMPT
     )
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=30)
@@ -166,17 +157,15 @@ def test_sigstopped_rank_is_named_after_heartbeat_timeout(sshd, models, tmp_path
     hosts = "  - ssh: localhost\n    slots: 2\n" if where == "local" else LOCAL + over_ssh(sshd, 1)
     hf = hostfile(sshd, tmp_path, hosts)
     proc = start_streaming(
-        [
-            "--hostfile",
-            hf,
-            "--heartbeat-timeout",
-            3,
-            "--model",
-            models["endless"],
-            "--max-tokens",
-            1000000,
-            PROMPT,
-        ]
+        "--hostfile",
+        hf,
+        "--heartbeat-timeout",
+        3,
+        "--model",
+        models["endless"],
+        "--max-tokens",
+        1000000,
+        PROMPT,
     )
     victim = subprocess.run(
         ["pgrep", "-f", "--", "rank1/job.json"], capture_output=True, text=True
@@ -227,7 +216,7 @@ def test_dropped_ssh_connection_stops_the_orphaned_ranks(sshd, models, tmp_path)
     reports the drop and stops them over a new connection."""
     hf = hostfile(sshd, tmp_path, LOCAL + over_ssh(sshd, 2))
     proc = start_streaming(
-        ["--hostfile", hf, "--model", models["endless"], "--max-tokens", 1000000, PROMPT]
+        "--hostfile", hf, "--model", models["endless"], "--max-tokens", 1000000, PROMPT
     )
     sessions = subprocess.run(
         ["pgrep", "-P", str(sshd.proc.pid)], capture_output=True, text=True
