@@ -479,6 +479,10 @@ def _failure_report(failed: RankState, states: list[RankState], world: int) -> s
     code = failed.exit_code
     if failed.unresponsive:
         how = "stopped responding"
+    elif failed.error_t is not None:
+        # It said why. How it then exited says nothing more: a peer's failure can start the
+        # teardown while this rank is still shutting down, and our SIGTERM ends it.
+        how = "failed"
     elif code < 0:
         how = f"was killed by signal {-code}"
     elif code == 255 and not failed.host_is_local:

@@ -192,7 +192,7 @@ def test_rank_crash_while_loading(models, tmp_path):
     victim.write_bytes(data[: len(data) // 2])
     p = run_cli("launch", "--model", broken, "--max-tokens", 8, PROMPT, timeout=120)
     assert p.returncode == 1
-    assert "error: rank 1 of 2 on localhost exited with code 1 while loading the model" in p.stderr
+    assert "error: rank 1 of 2 on localhost failed while loading the model" in p.stderr
     assert "last lines of rank 1 (localhost)" in p.stderr
     assert "every other rank was stopped" in p.stderr
     assert p.stdout == ""

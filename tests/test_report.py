@@ -13,7 +13,7 @@ def test_the_earliest_reported_error_is_the_cause():
     # rank 0's exit arrived first, but rank 1 failed first
     assert _culprit(peer, [peer, cause]) is cause
     report = _failure_report(_culprit(peer, [peer, cause]), [peer, cause], 2)
-    assert report.startswith("error: rank 1 of 2 on localhost exited with code 1 while loading")
+    assert report.startswith("error: rank 1 of 2 on localhost failed while loading")
 
 
 def test_peer_notices_and_silence_do_not_move_the_blame():
