@@ -75,6 +75,7 @@ class RankState:
     exit_code: int | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     error: str | None = None
+    bad_model: bool = False  # its error says the model cannot be served as asked
 
 
 @dataclass
@@ -344,7 +345,10 @@ class Job:
     def fail(self, state: RankState) -> None:
         self.stop_all()
         culprit = _culprit(state, self.states)
-        raise LaunchError(_failure_report(culprit, self.states, len(self.ranks)))
+        raise LaunchError(
+            _failure_report(culprit, self.states, len(self.ranks)),
+            exit_code=2 if culprit.bad_model else 1,
+        )
 
     def stop_all(self) -> None:
         _stop_all(self.ranks, self.states, self.events)
@@ -453,6 +457,7 @@ def _on_event(event: dict, state: RankState, result: JobResult | None) -> None:
         state.error = event.get("message")
         if not event.get("peer"):  # "rank 0 failed" is an effect, never the cause
             state.error_t = event.get("t")
+        state.bad_model = event.get("cause") == "model"
 
 
 PHASE_WORDS = {
@@ -498,7 +503,7 @@ def _failure_report(failed: RankState, states: list[RankState], world: int) -> s
     if failed.tail:
         lines.append(f"  last lines of rank {failed.rank} ({failed.host}):")
         lines.extend(f"    {line}" for line in failed.tail)
-    hint = HINTS.get(failed.phase)
+    hint = None if failed.bad_model else HINTS.get(failed.phase)  # the reason says what to do
     if hint:
         lines.append(f"  what to do: {hint.format(host=failed.host)}")
     lines.append("  every other rank was stopped")

@@ -81,6 +81,8 @@ def check_shardable(config: dict[str, Any], mode: str, num_ranks: int) -> None:
         ("num_attention_heads", heads),
         ("num_key_value_heads", kv_heads),
         ("intermediate_size", cfg.get("intermediate_size")),
+        ("moe_intermediate_size", cfg.get("moe_intermediate_size")),
+        ("shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size")),
     ]
     bad = [
         f"{name}={value}" for name, value in checks if isinstance(value, int) and value % num_ranks

@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelError, ValueError, FileNotFoundError) as e:
         with _stderr_lock:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        emit("error", message=str(e), t=time.time())
+        # "model": the model cannot be served as asked (bad input), not a broken copy of it
+        cause = "model" if isinstance(e, ModelError) else None
+        emit("error", message=str(e), t=time.time(), cause=cause)
         return EXIT_FAILED
     except Exception as e:
         with _stderr_lock:

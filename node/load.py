@@ -16,7 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from cluster.modelcheck import (
     ModelError,
@@ -85,6 +86,60 @@ def _view(model_dir: Path, weight_files: list[str]) -> Path:
     return view
 
 
+def _model_class(config: dict) -> type:
+    try:
+        return _get_classes(config)[0]
+    except ValueError as e:  # mlx-lm: "Model type X not supported."
+        raise ModelError(
+            f"model family {config.get('model_type')!r} is not supported by the installed "
+            f"mlx-lm ({e}); upgrade mlx-lm on every host, or use another model"
+        ) from None
+
+
+def _recording(names: set[str]):
+    """mlx-lm's class lookup, with load_weights noting which weights the files provided.
+
+    A pipeline rank must load with strict=False (it has only some layers' files), and then
+    a weight missing from its own files would silently keep its random initial value.
+    """
+
+    def get_classes(config: dict):
+        model_class, args_class = _get_classes(config)
+
+        class Recording(model_class):
+            def load_weights(self, weights, strict=True):
+                names.update(name for name, _ in weights)
+                return super().load_weights(weights, strict=strict)
+
+        Recording.__name__ = model_class.__name__
+        Recording.__qualname__ = model_class.__qualname__
+        return Recording, args_class
+
+    return get_classes
+
+
+def check_complete(
+    model: nn.Module, loaded: set[str], layers: tuple[int, int], model_dir: Path
+) -> None:
+    """Every parameter this rank will use (its layers and everything outside the layers)
+    must have come from the weight files; name the missing ones otherwise."""
+    start, end = layers
+    missing = []
+    for name, _ in tree_flatten(model.parameters()):
+        m = LAYER_RE.search(name)
+        if (m is None or start <= int(m.group(1)) < end) and name not in loaded:
+            missing.append(name)
+    if missing:
+        shown = ", ".join(missing[:5])
+        if len(missing) > 5:
+            shown += f" and {len(missing) - 5} more"
+        raise ModelError(
+            f"{model_dir}: the weight files lack {len(missing)} weight(s) this rank needs: "
+            f"{shown}. A file named in model.safetensors.index.json is missing or incomplete, "
+            "or the checkpoint does not match its config.json; copy or convert the model again"
+        )
+
+
 def load_shard(
     ref: str,
     mode: str,
@@ -112,20 +167,31 @@ def load_shard(
             model_dir = resolve_model(ref)
         files = sorted(p.name for p in model_dir.glob("model*.safetensors"))
 
+    absent = [f for f in files if not (model_dir / f).exists()]
+    if absent:
+        raise ModelError(
+            f"{model_dir}: weight file(s) {', '.join(absent)} named in "
+            "model.safetensors.index.json are missing; the copy or download is incomplete"
+        )
+    model_class = _model_class(config)
+    if size > 1 and mode == "tensor" and not hasattr(model_class, "shard"):
+        raise ModelError(
+            f"model family {config['model_type']!r} has no tensor-parallel support in "
+            "mlx-lm (its model has no shard()); use --mode pipeline"
+        )
     view = _view(model_dir, files)
+    loaded_names: set[str] = set()
     try:
-        model, config = load_model(view, lazy=True, strict=False)
+        model, config = load_model(
+            view, lazy=True, strict=False, get_model_classes=_recording(loaded_names)
+        )
     finally:
         for p in view.iterdir():
             p.unlink()
         view.rmdir()
+    check_complete(model, loaded_names, layers or (0, 10**9), model_dir)
 
     if size > 1 and mode == "tensor":
-        if not hasattr(model, "shard"):
-            raise ModelError(
-                f"model family {config['model_type']!r} has no tensor-parallel support in "
-                "mlx-lm; use --mode pipeline"
-            )
         model.shard(group)
     elif size > 1:
         inner = getattr(model, "model", None)

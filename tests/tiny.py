@@ -53,10 +53,133 @@ FAMILIES = {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": True,
     },
+    "mistral": {
+        "model_type": "mistral",
+        "hidden_size": 96,
+        "num_hidden_layers": 6,
+        "intermediate_size": 192,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 512,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen3": {
+        "model_type": "qwen3",
+        "hidden_size": 96,
+        "num_hidden_layers": 6,
+        "intermediate_size": 192,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 96,
+        "num_hidden_layers": 6,
+        "intermediate_size": 192,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+        "moe_intermediate_size": 48,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    "gemma2": {
+        "model_type": "gemma2",
+        "hidden_size": 96,
+        "num_hidden_layers": 6,
+        "intermediate_size": 192,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 512,
+        "query_pre_attn_scalar": 16,
+    },
+    "gemma3_text": {  # a window shorter than the test prompts, so sliding layers really slide
+        "model_type": "gemma3_text",
+        "hidden_size": 96,
+        "num_hidden_layers": 6,
+        "intermediate_size": 192,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 512,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,
+        "sliding_window_pattern": 3,
+    },
+    "phi3": {
+        "model_type": "phi3",
+        "hidden_size": 96,
+        "num_hidden_layers": 6,
+        "intermediate_size": 192,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 6,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+    },
+    "mixtral": {
+        "model_type": "mixtral",
+        "hidden_size": 96,
+        "num_hidden_layers": 6,
+        "intermediate_size": 96,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 512,
+    },
+    "deepseek_v3": {  # multi-head latent attention; layer 0 dense, the rest MoE
+        "model_type": "deepseek_v3",
+        "hidden_size": 96,
+        "num_hidden_layers": 6,
+        "intermediate_size": 192,
+        "moe_intermediate_size": 48,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 6,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+    },
 }
 
+# gemma2's tied, sqrt(hidden)-scaled embeddings saturate at the usual x8: one token repeated
+INIT_SCALE = {"gemma2": 2.0}
 
-def train_tokenizer(out: Path, vocab_size: int = 512, chat_template: str | None = None):
+
+def train_tokenizer(
+    out: Path, vocab_size: int = 512, chat_template: str | None = None, extra_special=()
+):
     from pydoc_data.topics import topics
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -67,7 +190,7 @@ def train_tokenizer(out: Path, vocab_size: int = 512, chat_template: str | None 
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS],
+        special_tokens=[EOS, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -115,6 +238,7 @@ def make_model(
     seed: int = 0,
     chat_template: bool = False,
     bits: int | None = None,
+    init_scale: float | None = None,
     **overrides,
 ) -> Path:
     """Write a random float32 ``family`` model to ``out`` and return ``out``.
@@ -130,8 +254,9 @@ def make_model(
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
-    # Wider than the usual init so logits have clear winners (no near-ties for greedy).
-    params = tree_map(lambda p: p * 8 if p.ndim == 2 else p, model.parameters())
+    # Wider than the usual init (init_scale) so logits have clear winners (no near-ties).
+    init_scale = init_scale or INIT_SCALE.get(family, 8.0)
+    params = tree_map(lambda p: p * init_scale if p.ndim == 2 else p, model.parameters())
     model.update(params)
     if bits is not None:
         from mlx_lm.utils import quantize_model
