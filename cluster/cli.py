@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import sys
 import time
 
@@ -32,6 +33,34 @@ def parse_split(ctx, param, value):
         return [int(x) for x in value.split(",")]
     except ValueError:
         raise click.BadParameter(f"{value!r}: give layer counts like 20,12") from None
+
+
+MAX_IMAGE_BYTES = 64 * 1024 * 1024
+
+
+def read_image(path: str) -> bytes:
+    data = open(path, "rb").read()
+    if not data:
+        raise click.BadParameter(f"{path} is empty", param_hint="--image")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise click.BadParameter(
+            f"{path} is {len(data) / 2**20:.0f} MiB; images up to "
+            f"{MAX_IMAGE_BYTES // 2**20} MiB are shared with the ranks (scale it down)",
+            param_hint="--image",
+        )
+    try:  # fail before any rank starts (PIL comes with mlx-vlm)
+        from PIL import Image
+
+        Image.open(io.BytesIO(data)).verify()
+    except ImportError:
+        pass
+    except Exception as e:
+        raise click.BadParameter(
+            f"{path} is not an image file PIL can read ({type(e).__name__}); "
+            "give a PNG, JPEG or another common format",
+            param_hint="--image",
+        ) from None
+    return data
 
 
 OPTIONS = {
@@ -171,7 +200,21 @@ def cli():
     default=None,
     help="Random seed, shared by every rank (default: a random one).",
 )
-def launch(prompt, hostfile, num_ranks, backend, model, max_tokens, temp, seed, **job):
+@click.option(
+    "--image",
+    type=click.Path(exists=True, dir_okay=False, readable=True),
+    default=None,
+    help="Image file for a vision-language model (mlx-vlm); its bytes reach every rank.",
+)
+@click.option(
+    "--logits",
+    is_flag=True,
+    help="Instead of generating, print the next-token logits after the prompt as one JSON "
+    "line (text models): to compare a sharded run with a single-process one.",
+)
+def launch(
+    prompt, hostfile, num_ranks, backend, model, max_tokens, temp, seed, image, logits, **job
+):
     """Generate a reply to PROMPT on every rank in lockstep; rank 0's text goes to stdout.
 
     PROMPT '-' or absent reads the prompt from stdin. The prompt goes through the model's chat
@@ -182,6 +225,7 @@ def launch(prompt, hostfile, num_ranks, backend, model, max_tokens, temp, seed, 
     Examples:
       mlx-cluster launch "Tell me about lists"
       mlx-cluster launch -n 3 --mode tensor --model ./my-model "Hi"
+      mlx-cluster launch --model ./my-vlm --image cat.png "What is in the picture?"
       mlx-cluster launch --hostfile hostfiles/thunderbolt-ring.yaml --model mlx-community/... -
     """
     if prompt is None or prompt == "-":
@@ -200,6 +244,8 @@ def launch(prompt, hostfile, num_ranks, backend, model, max_tokens, temp, seed, 
         max_tokens=max_tokens,
         temp=temp,
         seed=seed,
+        image=read_image(image) if image else None,
+        command="logits" if logits else "generate",
         **job,
     )
     try:

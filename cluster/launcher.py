@@ -7,6 +7,7 @@ was doing and the last lines it printed.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import queue
@@ -60,6 +61,8 @@ class JobOptions:
     accept_new_host_keys: bool = False
     forward_stdin: bool = False  # our stdin goes on to rank 0 (interactive chat)
     split: list[int] | None = None  # pipeline layers per rank (rank 0 holds the last layers)
+    image: bytes | None = None  # for a vision-language model; only rank 0's spec carries it
+    command: str = "generate"  # or "logits": print the prompt's next-token logits as JSON
 
 
 @dataclass
@@ -76,6 +79,7 @@ class RankState:
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     error: str | None = None
     bad_model: bool = False  # its error says the model cannot be served as asked
+    peak_memory_gb: float | None = None  # reported by the rank when its work is done
 
 
 @dataclass
@@ -84,6 +88,7 @@ class JobResult:
     stats: dict[str, Any] | None = None
     first_token_s: float | None = None
     ready_s: float | None = None
+    peak_memory_gb: list[float | None] = field(default_factory=list)  # per rank, rank 0 first
 
 
 def split_weights(hostfile: Hostfile) -> list[float] | None:
@@ -107,9 +112,22 @@ def preflight(hostfile: Hostfile, options: JobOptions) -> list[int] | None:
         return options.split
     config = read_config(path)
     check_shardable(config, options.mode, n)
+    check_request(config, options)
     if options.mode != "pipeline":
         return None
     return choose_split(config, n, options.split, split_weights(hostfile))
+
+
+def check_request(config: dict, options: JobOptions) -> None:
+    """What the request asks of the model: an image needs a vision model, logits a text one."""
+    vision = "vision_config" in config
+    if options.image is not None and not vision:
+        raise ModelError(
+            f"--image needs a vision-language model; {options.model} is text-only "
+            "(its config.json has no vision_config)"
+        )
+    if options.command == "logits" and vision:
+        raise ModelError("--logits is for text models; this is a vision-language model")
 
 
 def check_ports(hostfile: Hostfile, launches: list[RankLaunch]) -> None:
@@ -130,7 +148,7 @@ def job_spec(
     options: JobOptions, world_size: int, rank: int, weights: list[float] | None = None
 ) -> str:
     spec: dict[str, Any] = {
-        "command": "generate",
+        "command": options.command,
         "model": options.model,
         "mode": options.mode,
         "world_size": world_size,
@@ -144,6 +162,8 @@ def job_spec(
             "temp": options.temp,
             "seed": options.seed,
         }
+        if options.image is not None:  # the spec is a JSON file: the bytes travel as base64
+            spec["request"]["image_b64"] = base64.b64encode(options.image).decode()
     return json.dumps(spec)
 
 
@@ -415,15 +435,20 @@ def run_job(
         shutil.rmtree(job_dir, ignore_errors=True)
 
     result = job.result
+    result.peak_memory_gb = [s.peak_memory_gb for s in job.states]
     if result.stats:
         s = result.stats
         log(
             stderr,
             f"prompt {s['prompt_tokens']} tokens at {s['prompt_tps']:.1f} tok/s, "
             f"generated {s['generation_tokens']} tokens at {s['generation_tps']:.1f} "
-            f"tok/s, first token {result.first_token_s or 0:.2f} s after start, "
-            f"peak memory (rank 0) {s['peak_memory_gb']:.3f} GB",
+            f"tok/s, first token {result.first_token_s or 0:.2f} s after start",
         )
+    if any(m is not None for m in result.peak_memory_gb):
+        shown = ", ".join(
+            f"rank {r} {m:.3f} GB" for r, m in enumerate(result.peak_memory_gb) if m is not None
+        )
+        log(stderr, f"peak memory: {shown}")
     return result
 
 
@@ -453,6 +478,8 @@ def _on_event(event: dict, state: RankState, result: JobResult | None) -> None:
         state.phase = "ready"
     elif kind == "stats":
         result.stats = event
+    elif kind == "memory":
+        state.peak_memory_gb = event.get("peak_memory_gb")
     elif kind == "error":
         state.error = event.get("message")
         if not event.get("peer"):  # "rank 0 failed" is an effect, never the cause

@@ -75,6 +75,11 @@ def check_shardable(config: dict[str, Any], mode: str, num_ranks: int) -> None:
                 f"layers but {num_ranks} ranks were asked for; use at most {layers} ranks"
             )
         return
+    if "vision_config" in config:
+        raise ModelError(
+            f"vision model {config.get('model_type')!r}: mlx-cluster shards vision-language "
+            "models in pipeline mode only; use --mode pipeline"
+        )
     heads = cfg.get("num_attention_heads")
     kv_heads = cfg.get("num_key_value_heads") or heads
     checks = [

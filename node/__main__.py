@@ -7,6 +7,7 @@ the launcher. Exit codes: 0 done, 1 this rank failed, 3 this rank stopped becaus
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import sys
 import threading
@@ -16,6 +17,7 @@ import traceback
 from cluster.modelcheck import ModelError
 from cluster.protocol import encode_event
 
+COMMANDS = ("generate", "logits")
 EXIT_FAILED = 1
 EXIT_PEER_FAILED = 3
 HEARTBEAT_S = 1.0
@@ -61,9 +63,10 @@ def write_text(text: str) -> None:
 
 def run(spec: dict) -> None:
     from .dist import barrier, init_group
-    from .generate import generate, make_request
+    from .generate import generate, prompt_logits
     from .load import load_shard
     from .share import share_object
+    from .vlm import generate_vlm
 
     emit("phase", phase="init")
     group = init_group(spec["world_size"])
@@ -76,26 +79,67 @@ def run(spec: dict) -> None:
     barrier(group)
     emit("ready", load_s=time.perf_counter() - tic, layers=loaded.layers, files=loaded.files)
 
-    if spec.get("command", "generate") != "generate":
-        raise ValueError(f"unknown command {spec.get('command')!r}")
+    command = spec.get("command", "generate")
+    if command not in COMMANDS:
+        raise ValueError(f"unknown command {command!r}")
+    if command == "logits" and loaded.processor is not None:  # every rank stops here alike
+        raise ModelError("--logits is for text models; this is a vision-language model")
     request = None
     if rank == 0:
         try:
-            r = spec["request"]
-            request = make_request(
-                loaded.tokenizer, r["prompt"], r["max_tokens"], r["temp"], r.get("seed")
-            )
+            request = make_job_request(loaded, spec["request"])
         except Exception as e:  # tell the other ranks before failing, so none waits forever
             share_object({"error": f"{type(e).__name__}: {e}"}, group)
             raise
     request = share_object(request, group)
     if "error" in request:
         raise PeerFailed(f"rank 0 failed to prepare the request: {request['error']}")
-    emit("phase", phase="generating", prompt_tokens=len(request["tokens"]))
-    stats = generate(loaded.model, loaded.tokenizer, request, write_text if rank == 0 else None)
+    write = write_text if rank == 0 else None
+    if command == "logits":
+        emit("phase", phase="generating", prompt_tokens=len(request["tokens"]))
+        logits = prompt_logits(loaded.model, request["tokens"])
+        if write:
+            write(json.dumps({"prompt_tokens": len(request["tokens"]), "logits": logits}) + "\n")
+        emit_memory()
+        barrier(group)
+        return
+    if loaded.processor is not None:
+        emit("phase", phase="generating")
+        stats = generate_vlm(loaded.model, loaded.processor, request, write)
+    else:
+        emit("phase", phase="generating", prompt_tokens=len(request["tokens"]))
+        stats = generate(loaded.model, loaded.tokenizer, request, write)
+    emit_memory()
     barrier(group)
     if rank == 0:
         emit("stats", **stats)
+
+
+def emit_memory() -> None:
+    """This rank's peak memory (MLX's count: weights, caches, activations)."""
+    import mlx.core as mx
+
+    emit("memory", peak_memory_gb=mx.get_peak_memory() / 1e9)
+
+
+def make_job_request(loaded, r: dict) -> dict:
+    """Rank 0's request for this model: tokens for a text model; for a VLM, the templated
+    prompt and the image bytes (every rank runs the processor on them)."""
+    from .generate import make_request, sampling
+    from .vlm import make_vlm_request
+
+    image = base64.b64decode(r["image_b64"]) if r.get("image_b64") else None
+    if loaded.processor is None:
+        if image is not None:
+            raise ModelError(
+                f"--image needs a vision-language model; {loaded.config.get('model_type')!r} "
+                "is text-only (its config.json has no vision_config)"
+            )
+        return make_request(
+            loaded.tokenizer, r["prompt"], r["max_tokens"], r["temp"], r.get("seed")
+        )
+    options = sampling(r["max_tokens"], r["temp"], r.get("seed"))
+    return make_vlm_request(loaded.processor, loaded.model.config, r["prompt"], image, options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -31,8 +31,12 @@ def make_request(tokenizer, prompt: str, max_tokens: int, temp: float, seed: int
     tokens = prompt_tokens(tokenizer, prompt)
     if not tokens:
         raise ValueError("the prompt is empty after tokenization")
+    return {"tokens": tokens, **sampling(max_tokens, temp, seed)}
+
+
+def sampling(max_tokens: int, temp: float, seed: int | None) -> dict:
+    """The settings every rank must share; a random seed is drawn here, once, on rank 0."""
     return {
-        "tokens": tokens,
         "max_tokens": max_tokens,
         "temp": temp,
         "seed": secrets.randbits(31) if seed is None else seed,
@@ -45,12 +49,19 @@ def generate(
     """Decode ``request`` (identical on every rank); ``write`` gets text segments on rank 0."""
     mx.random.seed(request["seed"])
     sampler = make_sampler(temp=request["temp"])
+    responses = stream_generate(
+        model, tokenizer, mx.array(request["tokens"]), request["max_tokens"], sampler=sampler
+    )
+    return stream(responses, write)
+
+
+def stream(responses: Iterable[Any], write: Callable[[str], None] | None) -> dict[str, Any]:
+    """Hand each response's text to ``write``; the stats of the run (mlx-lm's and mlx-vlm's
+    responses carry the same fields)."""
     start = time.perf_counter()
     first = None
     last = None
-    for response in stream_generate(
-        model, tokenizer, mx.array(request["tokens"]), request["max_tokens"], sampler=sampler
-    ):
+    for response in responses:
         if first is None:
             first = time.perf_counter()
         if write is not None and response.text:
@@ -65,3 +76,12 @@ def generate(
         "peak_memory_gb": last.peak_memory,
         "finish_reason": last.finish_reason,
     }
+
+
+def prompt_logits(model, tokens: list[int]) -> list[float]:
+    """The next-token logits after the prompt, in float32: one forward pass on every rank
+    (for comparing a sharded run with a single-process one)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    logits = model(mx.array(tokens)[None], cache=make_prompt_cache(model))
+    return logits[0, -1].astype(mx.float32).tolist()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from cluster.modelcheck import (
 )
 
 from .stage import apply_stages, pipeline_range
+from .vlm import VLM_LAYER_RE, is_vlm, load_vlm
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 META_PATTERNS = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jsonl", "*.jinja"]
@@ -41,6 +43,7 @@ class Loaded:
     config: dict
     layers: tuple[int, int] | None  # this rank's pipeline range
     files: list[str]  # weight files this rank opened
+    processor: Any = None  # mlx-vlm's processor, for vision-language models
 
 
 def resolve_model(ref: str, allow_patterns: list[str] | None = None) -> Path:
@@ -59,7 +62,9 @@ def resolve_model(ref: str, allow_patterns: list[str] | None = None) -> Path:
         ) from e
 
 
-def weight_files_for_layers(model_dir: Path, start: int, end: int) -> list[str]:
+def weight_files_for_layers(
+    model_dir: Path, start: int, end: int, layer_re: re.Pattern = LAYER_RE
+) -> list[str]:
     """Safetensors files holding layers [start, end) or weights outside the layers."""
     index_path = model_dir / "model.safetensors.index.json"
     if not index_path.exists():
@@ -67,7 +72,7 @@ def weight_files_for_layers(model_dir: Path, start: int, end: int) -> list[str]:
     weight_map = json.loads(index_path.read_text())["weight_map"]
     files = set()
     for name, file in weight_map.items():
-        m = LAYER_RE.search(name)
+        m = layer_re.search(name)
         if m is None or start <= int(m.group(1)) < end:
             files.add(file)
     return sorted(files)
@@ -96,37 +101,41 @@ def _model_class(config: dict) -> type:
         ) from None
 
 
-def _recording(names: set[str]):
-    """mlx-lm's class lookup, with load_weights noting which weights the files provided.
+@contextmanager
+def recording_loads(names: set[str]):
+    """While loading, note the names of the weights handed to ``load_weights``.
 
-    A pipeline rank must load with strict=False (it has only some layers' files), and then
-    a weight missing from its own files would silently keep its random initial value.
+    A pipeline rank loads with strict=False (it has only some layers' files), and then a
+    weight missing from its own files would silently keep its random initial value. A patch
+    of nn.Module rather than a model subclass, so it serves mlx-lm and mlx-vlm alike.
     """
+    original = nn.Module.load_weights
 
-    def get_classes(config: dict):
-        model_class, args_class = _get_classes(config)
+    def load_weights(self, weights, strict=True):
+        weights = list(weights)
+        names.update(name for name, _ in weights)
+        return original(self, weights, strict=strict)
 
-        class Recording(model_class):
-            def load_weights(self, weights, strict=True):
-                names.update(name for name, _ in weights)
-                return super().load_weights(weights, strict=strict)
-
-        Recording.__name__ = model_class.__name__
-        Recording.__qualname__ = model_class.__qualname__
-        return Recording, args_class
-
-    return get_classes
+    nn.Module.load_weights = load_weights
+    try:
+        yield
+    finally:
+        nn.Module.load_weights = original
 
 
 def check_complete(
-    model: nn.Module, loaded: set[str], layers: tuple[int, int], model_dir: Path
+    model: nn.Module,
+    loaded: set[str],
+    layers: tuple[int, int],
+    model_dir: Path,
+    layer_re: re.Pattern = LAYER_RE,
 ) -> None:
     """Every parameter this rank will use (its layers and everything outside the layers)
     must have come from the weight files; name the missing ones otherwise."""
     start, end = layers
     missing = []
     for name, _ in tree_flatten(model.parameters()):
-        m = LAYER_RE.search(name)
+        m = layer_re.search(name)
         if (m is None or start <= int(m.group(1)) < end) and name not in loaded:
             missing.append(name)
     if missing:
@@ -140,6 +149,14 @@ def check_complete(
         )
 
 
+def materialize(model: nn.Module) -> None:
+    """Read the weights one array at a time. A tensor rank's slices are cut from whole tensors
+    read from disk; evaluating them all at once would hold every whole tensor at the same
+    moment, and the rank's peak would be the full model's."""
+    for _, array in tree_flatten(model.parameters()):
+        mx.eval(array)
+
+
 def load_shard(
     ref: str,
     mode: str,
@@ -151,6 +168,8 @@ def load_shard(
     model_dir = resolve_model(ref, META_PATTERNS)
     config = read_config(model_dir, require_weights=not looks_like_repo(ref))
     check_shardable(config, mode, size)
+    vlm = is_vlm(config)
+    layer_re = VLM_LAYER_RE if vlm else LAYER_RE
 
     layers = None
     if mode == "pipeline" and size > 1:
@@ -159,7 +178,7 @@ def load_shard(
             raise ModelError(f"config of {config.get('model_type')!r} gives no num_hidden_layers")
         split = choose_split(config, size, split, split_weights)
         layers = pipeline_range(n, size, rank, split)
-        files = weight_files_for_layers(model_dir, *layers)
+        files = weight_files_for_layers(model_dir, *layers, layer_re)
         if looks_like_repo(ref):
             model_dir = resolve_model(ref, META_PATTERNS + files)
     else:
@@ -173,28 +192,33 @@ def load_shard(
             f"{model_dir}: weight file(s) {', '.join(absent)} named in "
             "model.safetensors.index.json are missing; the copy or download is incomplete"
         )
-    model_class = _model_class(config)
-    if size > 1 and mode == "tensor" and not hasattr(model_class, "shard"):
-        raise ModelError(
-            f"model family {config['model_type']!r} has no tensor-parallel support in "
-            "mlx-lm (its model has no shard()); use --mode pipeline"
-        )
+    if not vlm:  # (check_shardable has refused tensor mode for vision models)
+        model_class = _model_class(config)
+        if size > 1 and mode == "tensor" and not hasattr(model_class, "shard"):
+            raise ModelError(
+                f"model family {config['model_type']!r} has no tensor-parallel support in "
+                "mlx-lm (its model has no shard()); use --mode pipeline"
+            )
     view = _view(model_dir, files)
     loaded_names: set[str] = set()
+    processor = None
     try:
-        model, config = load_model(
-            view, lazy=True, strict=False, get_model_classes=_recording(loaded_names)
-        )
+        with recording_loads(loaded_names):
+            if vlm:
+                model, processor = load_vlm(view, model_dir)
+            else:
+                model, config = load_model(view, lazy=True, strict=False)
     finally:
         for p in view.iterdir():
             p.unlink()
         view.rmdir()
-    check_complete(model, loaded_names, layers or (0, 10**9), model_dir)
+    check_complete(model, loaded_names, layers or (0, 10**9), model_dir, layer_re)
 
     if size > 1 and mode == "tensor":
         model.shard(group)
     elif size > 1:
-        inner = getattr(model, "model", None)
+        text_model = model.language_model if vlm else model
+        inner = getattr(text_model, "model", None)
         if inner is None or not isinstance(getattr(inner, "layers", None), list):
             raise ModelError(
                 f"model family {config['model_type']!r} has no model.model.layers list; "
@@ -203,9 +227,12 @@ def load_shard(
         if hasattr(inner, "pipeline"):
             inner.pipeline(group) if split is None else inner.pipeline(group, split=split)
         else:
-            apply_stages(model, group, split)
-    mx.eval(model.parameters())
+            apply_stages(text_model, group, split, vlm_cache=vlm)
+    materialize(model)
     model.eval()
 
-    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
-    return Loaded(model, tokenizer, config, layers, files)
+    if vlm:
+        tokenizer = processor.tokenizer
+    else:
+        tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    return Loaded(model, tokenizer, config, layers, files, processor)

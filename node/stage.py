@@ -87,7 +87,8 @@ class StageLayer(nn.Module):
 def _find_cache(args, kwargs):
     cache = kwargs.get("cache")
     if cache is None:
-        cache = next((a for a in args if isinstance(a, _BaseCache)), None)
+        # duck-typed: mlx-vlm's caches are not mlx-lm's classes
+        cache = next((a for a in args if hasattr(a, "update_and_fetch")), None)
     return cache
 
 
@@ -143,9 +144,13 @@ class SkippedCache(_BaseCache):
         return 0
 
 
-def apply_stages(model: nn.Module, group, split: list[int] | None = None) -> tuple[int, int]:
+def apply_stages(
+    model: nn.Module, group, split: list[int] | None = None, vlm_cache: bool = False
+) -> tuple[int, int]:
     """Turn a loaded (lazy) model into this rank's pipeline stage in place; returns (start, end).
 
+    ``model`` is a language model with ``model.layers`` (for a VLM, its ``language_model``;
+    ``vlm_cache`` then makes the default caches mlx-vlm's, as its generation loop expects).
     Call after the weights are loaded: the wrappers change parameter paths.
     """
     layers = model.model.layers
@@ -161,9 +166,13 @@ def apply_stages(model: nn.Module, group, split: list[int] | None = None) -> tup
         layers[i] = layer
 
     family_cache = getattr(model, "make_cache", None)
+    if vlm_cache:
+        from mlx_vlm.models.cache import KVCache as default_cache
+    else:
+        default_cache = KVCache
 
     def make_cache():
-        caches = family_cache() if family_cache else [KVCache() for _ in layers]
+        caches = family_cache() if family_cache else [default_cache() for _ in layers]
         local = caches[start:end]
         for i in [*range(start), *range(end, n)]:
             twin = next((c for c in local if type(c) is type(caches[i])), local[0])

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from matrix import reference  # noqa: F401  (the single-process baseline of every test)
 from tiny import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,27 +81,3 @@ def sshd(tmp_path_factory):
     yield server
     server.proc.terminate()
     server.proc.wait(10)
-
-
-_reference_cache: dict = {}
-
-
-def reference(model_dir: Path, prompt: str, max_tokens: int) -> str:
-    """What single-process mlx-lm generates, greedy, the way mlx_lm.generate builds the prompt."""
-    key = (str(model_dir), prompt, max_tokens)
-    if key not in _reference_cache:
-        from mlx_lm import generate, load
-        from mlx_lm.sample_utils import make_sampler
-
-        model, tokenizer = load(str(model_dir))
-        use_template = tokenizer.has_chat_template
-        text = prompt
-        if use_template:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-        ids = tokenizer.encode(text, add_special_tokens=not use_template)
-        _reference_cache[key] = generate(
-            model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(0.0)
-        )
-    return _reference_cache[key]

@@ -167,9 +167,10 @@ def test_more_ranks_than_layers(models):
 
 
 def test_heads_not_divisible(models):
-    p = run_cli("launch", "-n", 4, "--mode", "tensor", "--model", models["llama"], PROMPT)
+    p = run_cli("launch", "-n", 4, "--mode", "tensor", "--model", models["qwen2"], PROMPT)
     assert p.returncode == 2
-    assert "num_attention_heads=6, num_key_value_heads=6 are not divisible by 4 ranks" in p.stderr
+    assert "num_key_value_heads=6 is not divisible by 4 ranks (rank counts that" in p.stderr
+    assert "starting" not in p.stderr  # refused before any rank starts
 
 
 def test_port_already_taken(models):

@@ -29,13 +29,13 @@ FAMILIES = {
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
     },
-    "llama": {
+    "llama": {  # 12 heads: tensor mode at 2, 3 and 4 ranks
         "model_type": "llama",
         "hidden_size": 96,
         "num_hidden_layers": 6,
         "intermediate_size": 192,
-        "num_attention_heads": 6,
-        "num_key_value_heads": 6,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
         "rms_norm_eps": 1e-5,
         "vocab_size": 512,
         "rope_theta": 10000.0,
@@ -71,9 +71,9 @@ FAMILIES = {
         "hidden_size": 96,
         "num_hidden_layers": 6,
         "intermediate_size": 192,
-        "num_attention_heads": 6,
-        "num_key_value_heads": 2,
-        "head_dim": 24,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 8,
         "rms_norm_eps": 1e-6,
         "vocab_size": 512,
         "max_position_embeddings": 4096,
@@ -156,8 +156,8 @@ FAMILIES = {
         "num_hidden_layers": 6,
         "intermediate_size": 192,
         "moe_intermediate_size": 48,
-        "num_attention_heads": 6,
-        "num_key_value_heads": 6,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
         "n_routed_experts": 4,
         "n_shared_experts": 1,
         "num_experts_per_tok": 2,
@@ -178,7 +178,11 @@ INIT_SCALE = {"gemma2": 2.0}
 
 
 def train_tokenizer(
-    out: Path, vocab_size: int = 512, chat_template: str | None = None, extra_special=()
+    out: Path,
+    vocab_size: int = 512,
+    chat_template: str | None = None,
+    extra_special=(),
+    **special_tokens,
 ):
     from pydoc_data.topics import topics
 
@@ -195,7 +199,7 @@ def train_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(list(topics.values())[:20], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, **special_tokens)
     if chat_template:
         fast.chat_template = chat_template
     fast.save_pretrained(out)
@@ -262,6 +266,92 @@ def make_model(
         from mlx_lm.utils import quantize_model
 
         model, config = quantize_model(model, config, 64, bits)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    save_sharded(weights, out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+IMAGE_TOKEN = "<image>"
+BOS = "<bos>"
+VLM_FAMILIES = {
+    # SigLIP vision tower + gemma text model; 28 px images in 14 px patches: 4 image tokens.
+    # (llava would be the classic choice, but mlx-vlm 0.7's LlavaProcessor passes `padding`
+    # to the image processor, which transformers 5 rejects: Blaizzy/mlx-vlm#870.)
+    "paligemma": {
+        "model_type": "paligemma",
+        "text_config": {
+            "model_type": "gemma",
+            "hidden_size": 96,
+            "num_hidden_layers": 6,
+            "intermediate_size": 192,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": 512,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "num_hidden_layers": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+            "projection_dim": 96,
+            "layer_norm_eps": 1e-6,
+        },
+        "hidden_size": 96,
+        "projection_dim": 96,
+        "vocab_size": 512,
+    },
+}
+
+
+def make_vlm(out: Path, family: str = "paligemma", seed: int = 0) -> Path:
+    """A random float32 mlx-vlm checkpoint: config, tokenizer with image and bos tokens,
+    image processor and processor configs, sharded safetensors."""
+    from mlx_vlm.utils import get_model_and_args
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads(json.dumps(VLM_FAMILIES[family]))
+    tokenizer = train_tokenizer(
+        out, config["vocab_size"], extra_special=[IMAGE_TOKEN, BOS], bos_token=BOS
+    )
+    config["image_token_index"] = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    config["eos_token_id"] = tokenizer.eos_token_id
+    config["pad_token_id"] = tokenizer.eos_token_id
+    vision = config["vision_config"]
+    size = vision["image_size"]
+    image_tokens = (size // vision["patch_size"]) ** 2
+    processor = {
+        "image_processor_type": "SiglipImageProcessor",
+        "processor_class": "PaliGemmaProcessor",
+        "image_seq_length": image_tokens,
+        "size": {"height": size, "width": size},
+        "do_resize": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_convert_rgb": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    (out / "processor_config.json").write_text(
+        json.dumps(
+            {"processor_class": "PaliGemmaProcessor", "image_seq_length": image_tokens},
+            indent=2,
+        )
+    )
+    arch, _ = get_model_and_args(config)
+    mx.random.seed(seed)
+    model = arch.Model(arch.ModelConfig.from_dict(json.loads(json.dumps(config))))
+    params = tree_map(lambda p: p * 2.0 if p.ndim == 2 else p, model.parameters())
+    model.update(params)
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     save_sharded(weights, out)

@@ -1,0 +1,266 @@
+"""The verification matrix: every tiny model family x mode x rank count, sharded vs single-process.
+
+    python tests/matrix.py --out docs/models.md       # regenerate the docs page
+    python tests/matrix.py --families llama,qwen3     # a quick look, table on stdout
+
+Each cell runs ``mlx-cluster launch`` as a user would (ranks on this machine, ring backend) and
+compares it with single-process mlx-lm (mlx-vlm for vision models): the greedy text, and for text
+models the next-token logits of the prompt (``launch --logits``). tests/test_models.py runs the
+same cells and checks the statuses recorded in docs/models.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+from tiny import FAMILIES, VLM_FAMILIES, make_model, make_vlm
+
+CLI = shutil.which("mlx-cluster", path=str(Path(sys.executable).parent)) or "mlx-cluster"
+PROMPT = "Tell me about lists"
+VLM_PROMPT = "What is in the picture?"
+MAX_TOKENS = 24
+LOGIT_TOLERANCE = 1e-3  # float32; reduction order across ranks moves logits by ~1e-6
+MODES = ("pipeline", "tensor")
+RANKS = (2, 3, 4)
+TEXT_FAMILIES = [f for f in FAMILIES if f != "llama_q"]
+STATUSES = ("match", "close", "differs", "unsupported", "failed")
+
+
+@dataclass
+class Cell:
+    status: str  # one of STATUSES
+    detail: str = ""  # max |Δlogit|, or why unsupported / failed
+
+
+def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    p = subprocess.run([CLI, *map(str, args)], capture_output=True, timeout=timeout)
+    return subprocess.CompletedProcess(
+        p.args, p.returncode, p.stdout.decode("utf-8"), p.stderr.decode("utf-8", "replace")
+    )
+
+
+_cache: dict = {}
+
+
+def reference(model_dir: Path, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS) -> str:
+    """What single-process mlx-lm generates, greedy, the way mlx_lm.generate builds the prompt."""
+    key = ("text", str(model_dir), prompt, max_tokens)
+    if key not in _cache:
+        from mlx_lm import generate, load
+        from mlx_lm.sample_utils import make_sampler
+
+        model, tokenizer = load(str(model_dir))
+        ids = _prompt_ids(tokenizer, prompt)
+        _cache[key] = generate(
+            model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(0.0)
+        )
+    return _cache[key]
+
+
+def _prompt_ids(tokenizer, prompt: str) -> list[int]:
+    use_template = tokenizer.has_chat_template
+    text = prompt
+    if use_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    return tokenizer.encode(text, add_special_tokens=not use_template)
+
+
+def reference_logits(model_dir: Path, prompt: str = PROMPT) -> list[float]:
+    """Single-process mlx-lm's next-token logits after the prompt."""
+    key = ("logits", str(model_dir), prompt)
+    if key not in _cache:
+        import mlx.core as mx
+        from mlx_lm import load
+
+        model, tokenizer = load(str(model_dir))
+        logits = model(mx.array(_prompt_ids(tokenizer, prompt))[None])
+        _cache[key] = logits[0, -1].astype(mx.float32).tolist()
+    return _cache[key]
+
+
+def reference_vlm(
+    model_dir: Path, image: Path, prompt: str = VLM_PROMPT, max_tokens: int = MAX_TOKENS
+) -> str:
+    """What single-process mlx-vlm generates, greedy."""
+    key = ("vlm", str(model_dir), str(image), prompt, max_tokens)
+    if key not in _cache:
+        from mlx_vlm.generate import stream_generate
+        from mlx_vlm.prompt_utils import apply_chat_template
+        from mlx_vlm.utils import load
+
+        model, processor = load(str(model_dir))
+        text = apply_chat_template(processor, model.config, prompt, num_images=1)
+        _cache[key] = "".join(
+            r.text
+            for r in stream_generate(
+                model, processor, text, image=[str(image)], max_tokens=max_tokens, temperature=0.0
+            )
+        )
+    return _cache[key]
+
+
+def make_image(path: Path) -> Path:
+    """A fixed random 40x50 RGB picture."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 255, (40, 50, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def _reason(stderr: str) -> str:
+    for line in stderr.splitlines():
+        line = line.strip()
+        if line.startswith("reason: "):
+            return line[len("reason: ") :]
+        if line.startswith(("error: ", "Error: ")) and " failed " not in line:
+            return line.split(": ", 1)[1]
+    return stderr.strip().splitlines()[-1] if stderr.strip() else "no message"
+
+
+def check_cell(model_dir: Path, mode: str, ranks: int, image: Path | None = None) -> Cell:
+    """One cell: launch as a user would, compare with single-process."""
+    args = ["launch", "-n", ranks, "--mode", mode, "--model", model_dir]
+    if image is None:
+        p = run_cli(*args, "--max-tokens", MAX_TOKENS, PROMPT)
+        expected = reference(model_dir)
+    else:
+        p = run_cli(*args, "--image", image, "--max-tokens", MAX_TOKENS, VLM_PROMPT)
+        expected = reference_vlm(model_dir, image)
+    if p.returncode == 2:  # the tool refused: the model cannot be served this way
+        return Cell("unsupported", _reason(p.stderr))
+    if p.returncode != 0:
+        return Cell("failed", f"exit {p.returncode}: {_reason(p.stderr)}")
+    same_text = p.stdout == expected
+    if image is not None:  # mlx-vlm has no plain forward pass to compare logits with
+        return Cell("match" if same_text else "differs", "text")
+    q = run_cli(*args, "--logits", PROMPT)
+    if q.returncode != 0:
+        return Cell("failed", f"--logits exit {q.returncode}: {_reason(q.stderr)}")
+    got = json.loads(q.stdout)["logits"]
+    want = reference_logits(model_dir)
+    delta = max(abs(a - b) for a, b in zip(got, want, strict=True))
+    if same_text:
+        return Cell("match", f"{delta:.1g}")
+    return Cell("close" if delta <= LOGIT_TOLERANCE else "differs", f"{delta:.2g}")
+
+
+def build_models(base: Path, families: list[str]) -> dict[str, Path]:
+    """Seed 1 for text models and mlx-vlm's default for vision ones, as tests/test_models.py."""
+    built = {}
+    for family in families:
+        if family in VLM_FAMILIES:
+            built[family] = make_vlm(base / family, family)
+        else:
+            built[family] = make_model(base / family, family, seed=1)
+    return built
+
+
+def run_matrix(
+    families: list[str], base: Path, ranks=RANKS, modes=MODES, log=None
+) -> dict[str, dict[str, Cell]]:
+    models = build_models(base, families)
+    image = make_image(base / "picture.png")
+    results: dict[str, dict[str, Cell]] = {}
+    for family, model_dir in models.items():
+        row = results.setdefault(family, {})
+        for mode in modes:
+            for n in ranks:
+                cell = check_cell(model_dir, mode, n, image if family in VLM_FAMILIES else None)
+                row[f"{mode} {n}"] = cell
+                if log:
+                    log(f"{family:12} {mode:8} {n}: {cell.status} {cell.detail}")
+    return results
+
+
+def render(results: dict[str, dict[str, Cell]]) -> str:
+    """docs/models.md: the table, then the reasons behind 'unsupported' and 'failed'."""
+    columns = list(next(iter(results.values())))
+    notes: list[str] = []
+    lines = [
+        "# Verified model families",
+        "",
+        "Generated by `python tests/matrix.py --out docs/models.md`; `tests/test_models.py` runs",
+        "the same cells in CI and fails when a status differs from this page.",
+        "",
+        "Each family is a tiny random float32 checkpoint built by `tests/tiny.py` (6 layers;",
+        "see `FAMILIES` and `VLM_FAMILIES` there). A cell runs `mlx-cluster launch -n N --mode M`",
+        "on this machine (ring backend over loopback) and compares it with single-process",
+        f"mlx-lm (mlx-vlm for vision models): {MAX_TOKENS} greedy tokens of text, and the",
+        "next-token logits of the prompt (`launch --logits`).",
+        "",
+        "- **match**: the same text; the number is the largest |Δlogit| against single-process",
+        "  (0 for pipeline mode, which does the same arithmetic; 1e-5 to 1e-4 for tensor mode,",
+        "  where the all-reduce sums partial products in another order; the largest logits of",
+        "  these tiny models are 10 to 30).",
+        f"- **close**: the text diverges, but every logit is within {LOGIT_TOLERANCE:g}.",
+        "- **differs**: the text diverges and a logit is further off (a bug).",
+        "- **unsupported**: the tool refuses before or while loading, with the reason below.",
+        "- **failed**: the run broke (a bug).",
+        "",
+        f"Measured with mlx {version('mlx')}, mlx-lm {version('mlx-lm')}, mlx-vlm "
+        f"{version('mlx-vlm')} on {platform.system()} {platform.machine()}.",
+        "",
+        "| family | " + " | ".join(f"{c} ranks" for c in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for family, row in results.items():
+        cells = []
+        for cell in row.values():
+            if cell.status in ("unsupported", "failed"):
+                if cell.detail not in notes:
+                    notes.append(cell.detail)
+                cells.append(f"{cell.status} [{notes.index(cell.detail) + 1}]")
+            elif cell.detail == "text":
+                cells.append(f"{cell.status} (text)")
+            else:
+                cells.append(f"{cell.status} (Δ {cell.detail})")
+        name = f"{family} (vision)" if family in VLM_FAMILIES else family
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Reasons:", ""]
+    lines += [f"{i}. {note}" for i, note in enumerate(notes, start=1)]
+    return "\n".join(lines) + "\n"
+
+
+def parse(markdown: str) -> dict[str, dict[str, str]]:
+    """The statuses recorded in docs/models.md: family -> column -> status."""
+    rows = [line for line in markdown.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    columns = [c.removesuffix(" ranks") for c in header[1:]]
+    table = {}
+    for line in rows[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        family = cells[0].removesuffix(" (vision)")
+        table[family] = {col: cell.split()[0] for col, cell in zip(columns, cells[1:], strict=True)}
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", help="comma-separated (default: all)")
+    parser.add_argument("--out", type=Path, help="write the markdown here (default: stdout)")
+    args = parser.parse_args()
+    families = args.families.split(",") if args.families else [*TEXT_FAMILIES, *VLM_FAMILIES]
+    with tempfile.TemporaryDirectory(prefix="mlx-cluster-matrix-") as tmp:
+        results = run_matrix(families, Path(tmp), log=lambda m: print(m, file=sys.stderr))
+    text = render(results)
+    if args.out:
+        args.out.write_text(text)
+    else:
+        sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Sharding breadth: the verification matrix of docs/models.md, vision models, memory per rank."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from conftest import ROOT, run_cli
+from matrix import (
+    MAX_TOKENS,
+    TEXT_FAMILIES,
+    VLM_PROMPT,
+    check_cell,
+    make_image,
+    parse,
+    reference_vlm,
+)
+from tiny import VLM_FAMILIES, make_model, make_vlm
+
+DOCS = parse((ROOT / "docs" / "models.md").read_text())
+# Pipeline runs every family; tensor mode at 2 ranks every family whose mlx-lm model has shard()
+NOT_SHARDABLE = ("no tensor-parallel support in mlx-lm", "vision-language models in pipeline")
+
+
+@pytest.mark.parametrize("family", [*TEXT_FAMILIES, *VLM_FAMILIES])
+def test_matrix_row_is_what_docs_say(family, tmp_path):
+    """Each cell as docs/models.md records it; the required cells match single-process."""
+    assert family in DOCS, f"docs/models.md has no row for {family}; run tests/matrix.py"
+    if family in VLM_FAMILIES:
+        model, image = make_vlm(tmp_path / family, family), make_image(tmp_path / "p.png")
+    else:
+        model, image = make_model(tmp_path / family, family, seed=1), None
+    for column, recorded in DOCS[family].items():
+        mode, ranks = column.split()
+        cell = check_cell(model, mode, int(ranks), image)
+        assert cell.status == recorded, f"{family} {column}: {cell.status} ({cell.detail})"
+        if mode == "pipeline":
+            assert cell.status == "match", f"{family} {column}: {cell}"
+            if family not in VLM_FAMILIES:
+                assert cell.detail == "0", f"pipeline logits must be exact: {cell}"
+        if column == "tensor 2" and cell.status != "match":
+            assert cell.status == "unsupported" and any(
+                why in cell.detail for why in NOT_SHARDABLE
+            ), f"{family} {column}: {cell}"
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    base = tmp_path_factory.mktemp("vlm")
+    return make_vlm(base / "paligemma"), base
+
+
+def test_image_bytes_reach_every_rank(vlm):
+    """Two pictures, two answers, each the one single-process mlx-vlm gives for it."""
+    model, base = vlm
+    first = make_image(base / "a.png")
+    second = base / "b.png"
+    from PIL import Image
+
+    Image.open(first).transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(second)
+    answers = []
+    for image in (first, second):
+        p = run_cli(
+            "launch", "-n", 3, "--model", model, "--image", image, "--max-tokens", MAX_TOKENS,
+            VLM_PROMPT,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        assert p.stdout == reference_vlm(model, image)
+        answers.append(p.stdout)
+    assert answers[0] != answers[1]
+
+
+def test_image_errors_before_any_rank_starts(vlm, models, tmp_path):
+    model, base = vlm
+    picture = make_image(base / "c.png")
+    p = run_cli("launch", "--model", models["llama"], "--image", picture, "hi")
+    assert p.returncode == 2
+    assert "--image needs a vision-language model" in p.stderr
+    assert "starting" not in p.stderr
+    p = run_cli("launch", "--model", model, "--mode", "tensor", "--image", picture, "hi")
+    assert p.returncode == 2
+    assert "pipeline mode only; use --mode pipeline" in p.stderr
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"not a picture")
+    p = run_cli("launch", "--model", model, "--image", junk, "hi")
+    assert p.returncode == 2
+    assert "is not an image file PIL can read" in p.stderr
+
+
+def test_missing_weight_is_named(models, tmp_path):
+    """A weight absent from the files (strict=False loading would keep it random) is an
+    error that names it, from the rank that needs it."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(models["llama"], broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.up_proj.weight"
+    path = broken / index["weight_map"][name]
+    weights = mx.load(str(path))
+    del weights[name]
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+    p = run_cli("launch", "--model", broken, "--max-tokens", 4, "hi")
+    assert p.returncode == 2, p.stderr
+    assert "lack 1 weight(s) this rank needs: model.layers.1.mlp.up_proj.weight" in p.stderr
+    # layer 1 is held by rank 1 of 2 (rank 0 holds the last layers)
+    assert "error: rank 1 of 2 on localhost failed while loading the model" in p.stderr
+
+
+def peak_memory(stderr: str) -> list[float]:
+    line = next(x for x in stderr.splitlines() if x.startswith("mlx-cluster: peak memory:"))
+    return [float(part.split()[2]) for part in line.split(": ", 2)[2].split(", ")]
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_each_rank_holds_about_half(mode, tmp_path_factory):
+    """A weights-dominated model (~110 MB float32): every rank's peak at N=2 is under 0.6 of
+    the single-process peak."""
+    model = make_model(
+        tmp_path_factory.mktemp("big") / "m",
+        "llama",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
+    single = run_cli("launch", "-n", 1, "--model", model, "--max-tokens", 4, "hi")
+    assert single.returncode == 0, single.stderr
+    (alone,) = peak_memory(single.stderr)
+    sharded = run_cli("launch", "-n", 2, "--mode", mode, "--model", model, "--max-tokens", 4, "hi")
+    assert sharded.returncode == 0, sharded.stderr
+    ranks = peak_memory(sharded.stderr)
+    assert len(ranks) == 2
+    assert alone > 0.1, single.stderr  # the weights are counted
+    assert max(ranks) < 0.6 * alone, (ranks, alone)
