@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import sys
 import time
 
@@ -145,6 +146,71 @@ OPTIONS = {
         help="Show every rank's log lines on stderr, prefixed [rank k host].",
     ),
 }
+SAMPLING = {
+    "max_tokens": click.option(
+        "--max-tokens",
+        type=click.IntRange(min=1),
+        default=256,
+        show_default=True,
+        help="Most tokens to generate.",
+    ),
+    "temp": click.option(
+        "--temp",
+        type=click.FloatRange(min=0),
+        default=0.0,
+        show_default=True,
+        help="Sampling temperature; 0 is greedy.",
+    ),
+    "top_p": click.option(
+        "--top-p",
+        type=click.FloatRange(0, 1, min_open=True),
+        default=1.0,
+        show_default=True,
+        help="Nucleus sampling: keep the most likely tokens up to this probability mass.",
+    ),
+    "top_k": click.option(
+        "--top-k",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        help="Keep only the K most likely tokens (0: all).",
+    ),
+    "min_p": click.option(
+        "--min-p",
+        type=click.FloatRange(0, 1),
+        default=0.0,
+        show_default=True,
+        help="Drop tokens less likely than this fraction of the most likely one.",
+    ),
+    "repetition_penalty": click.option(
+        "--repetition-penalty",
+        type=click.FloatRange(min=0, min_open=True),
+        default=None,
+        help="Divide the logits of tokens generated in the last 20 by this (>1 repeats less); "
+        "the prompt is not penalised.",
+    ),
+    "presence_penalty": click.option(
+        "--presence-penalty",
+        type=float,
+        default=None,
+        help="Subtract this from the logits of tokens generated in the last 20 (OpenAI's "
+        "presence_penalty); the prompt is not penalised.",
+    ),
+    "stop": click.option(
+        "--stop",
+        multiple=True,
+        metavar="STRING",
+        help="End the answer where this text appears (not printed); repeatable.",
+    ),
+    "seed": click.option(
+        "--seed",
+        type=int,
+        default=None,
+        help="Random seed, shared by every rank (default: a random one): the same seed gives "
+        "the same text.",
+    ),
+}
+OPTIONS.update(SAMPLING)
 HOST_OPTIONS = (
     "hostfile",
     "num_ranks",
@@ -166,6 +232,7 @@ def with_options(*names: str):
     return apply
 
 
+sampling_options = with_options(*SAMPLING)
 launch_options = with_options(
     *HOST_OPTIONS, "model", "mode", "split", "heartbeat_timeout", "start_timeout", "verbose"
 )
@@ -180,25 +247,13 @@ def cli():
 @cli.command()
 @click.argument("prompt", required=False)
 @launch_options
+@sampling_options
 @click.option(
-    "--max-tokens",
-    type=click.IntRange(min=1),
-    default=256,
-    show_default=True,
-    help="Most tokens to generate.",
-)
-@click.option(
-    "--temp",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
-    help="Sampling temperature; 0 is greedy.",
-)
-@click.option(
-    "--seed",
-    type=int,
-    default=None,
-    help="Random seed, shared by every rank (default: a random one).",
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object at the end instead of streaming: text, finish_reason, usage, "
+    "timings (llama-server's fields) and each rank's peak memory.",
 )
 @click.option(
     "--image",
@@ -212,9 +267,7 @@ def cli():
     help="Instead of generating, print the next-token logits after the prompt as one JSON "
     "line (text models): to compare a sharded run with a single-process one.",
 )
-def launch(
-    prompt, hostfile, num_ranks, backend, model, max_tokens, temp, seed, image, logits, **job
-):
+def launch(prompt, hostfile, num_ranks, backend, model, image, logits, as_json, stop, **job):
     """Generate a reply to PROMPT on every rank in lockstep; rank 0's text goes to stdout.
 
     PROMPT '-' or absent reads the prompt from stdin. The prompt goes through the model's chat
@@ -241,19 +294,35 @@ def launch(
     options = JobOptions(
         model=model or str(default_model_path()),
         prompt=prompt,
-        max_tokens=max_tokens,
-        temp=temp,
-        seed=seed,
         image=read_image(image) if image else None,
         command="logits" if logits else "generate",
+        stop=list(stop),
         **job,
     )
+    if as_json and logits:
+        raise click.UsageError("--logits already prints JSON; drop --json")
+    text = io.BytesIO() if as_json else None
     try:
-        run_job(hf, options, started=STARTED)
+        result = run_job(hf, options, stdout=text, started=STARTED)
     except LaunchError as e:
         if str(e):
             click.echo(str(e), err=True)
         sys.exit(e.exit_code)
+    if as_json:
+        click.echo(json.dumps(answer_json(text.getvalue().decode("utf-8", "replace"), result)))
+
+
+def answer_json(text: str, result) -> dict:
+    """--json: the answer and its stats (llama-server's usage and timings fields)."""
+    stats = result.stats or {}
+    return {
+        "text": text,
+        "finish_reason": stats.get("finish_reason"),
+        "usage": stats.get("usage"),
+        "timings": stats.get("timings"),
+        "time_to_first_token_s": result.first_token_s,
+        "peak_memory_gb": result.peak_memory_gb,
+    }
 
 
 @cli.command()

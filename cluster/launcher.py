@@ -53,6 +53,12 @@ class JobOptions:
     max_tokens: int = 256
     temp: float = 0.0
     seed: int | None = None
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings (rank 0 decides, all agree)
     verbose: bool = False
     starting_port: int | None = None
     connections_per_ip: int = 1
@@ -161,6 +167,12 @@ def job_spec(
             "max_tokens": options.max_tokens,
             "temp": options.temp,
             "seed": options.seed,
+            "top_p": options.top_p,
+            "top_k": options.top_k,
+            "min_p": options.min_p,
+            "repetition_penalty": options.repetition_penalty,
+            "presence_penalty": options.presence_penalty,
+            "stop": list(options.stop),
         }
         if options.image is not None:  # the spec is a JSON file: the bytes travel as base64
             spec["request"]["image_b64"] = base64.b64encode(options.image).decode()
@@ -437,12 +449,13 @@ def run_job(
     result = job.result
     result.peak_memory_gb = [s.peak_memory_gb for s in job.states]
     if result.stats:
-        s = result.stats
+        t = result.stats["timings"]
         log(
             stderr,
-            f"prompt {s['prompt_tokens']} tokens at {s['prompt_tps']:.1f} tok/s, "
-            f"generated {s['generation_tokens']} tokens at {s['generation_tps']:.1f} "
-            f"tok/s, first token {result.first_token_s or 0:.2f} s after start",
+            f"prompt {t['prompt_n']} tokens at {t['prompt_per_second']:.1f} tok/s, "
+            f"generated {t['predicted_n']} tokens at {t['predicted_per_second']:.1f} "
+            f"tok/s ({result.stats['finish_reason']}), first token "
+            f"{result.first_token_s or 0:.2f} s after start",
         )
     if any(m is not None for m in result.peak_memory_gb):
         shown = ", ".join(

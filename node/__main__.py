@@ -105,10 +105,10 @@ def run(spec: dict) -> None:
         return
     if loaded.processor is not None:
         emit("phase", phase="generating")
-        stats = generate_vlm(loaded.model, loaded.processor, request, write)
+        stats = generate_vlm(loaded.model, loaded.processor, request, write, group)
     else:
         emit("phase", phase="generating", prompt_tokens=len(request["tokens"]))
-        stats = generate(loaded.model, loaded.tokenizer, request, write)
+        stats = generate(loaded.model, loaded.tokenizer, request, write, group)
     emit_memory()
     barrier(group)
     if rank == 0:
@@ -125,7 +125,8 @@ def emit_memory() -> None:
 def make_job_request(loaded, r: dict) -> dict:
     """Rank 0's request for this model: tokens for a text model; for a VLM, the templated
     prompt and the image bytes (every rank runs the processor on them)."""
-    from .generate import make_request, sampling
+    from .generate import make_request
+    from .sampling import settings
     from .vlm import make_vlm_request
 
     image = base64.b64decode(r["image_b64"]) if r.get("image_b64") else None
@@ -135,11 +136,8 @@ def make_job_request(loaded, r: dict) -> dict:
                 f"--image needs a vision-language model; {loaded.config.get('model_type')!r} "
                 "is text-only (its config.json has no vision_config)"
             )
-        return make_request(
-            loaded.tokenizer, r["prompt"], r["max_tokens"], r["temp"], r.get("seed")
-        )
-    options = sampling(r["max_tokens"], r["temp"], r.get("seed"))
-    return make_vlm_request(loaded.processor, loaded.model.config, r["prompt"], image, options)
+        return make_request(loaded.tokenizer, r)
+    return make_vlm_request(loaded.processor, loaded.model.config, r["prompt"], image, settings(r))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,14 +6,16 @@ rank 0 and reaches the others through share_object, so every rank samples the sa
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
-from mlx_lm.sample_utils import make_sampler
+
+from .sampling import processors, sampler, settings
+
+STOP_CHECK_EVERY = 4  # tokens between the ranks' checks of rank 0's stop decision
 
 
 def prompt_tokens(tokenizer, prompt: str) -> list[int]:
@@ -26,55 +28,138 @@ def prompt_tokens(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def make_request(tokenizer, prompt: str, max_tokens: int, temp: float, seed: int | None) -> dict:
+def make_request(tokenizer, r: dict) -> dict:
     """Rank 0's work order, in the form share_object carries to the other ranks."""
-    tokens = prompt_tokens(tokenizer, prompt)
+    tokens = prompt_tokens(tokenizer, r["prompt"])
     if not tokens:
         raise ValueError("the prompt is empty after tokenization")
-    return {"tokens": tokens, **sampling(max_tokens, temp, seed)}
-
-
-def sampling(max_tokens: int, temp: float, seed: int | None) -> dict:
-    """The settings every rank must share; a random seed is drawn here, once, on rank 0."""
-    return {
-        "max_tokens": max_tokens,
-        "temp": temp,
-        "seed": secrets.randbits(31) if seed is None else seed,
-    }
+    return {"tokens": tokens, **settings(r)}
 
 
 def generate(
-    model, tokenizer, request: dict, write: Callable[[str], None] | None
+    model, tokenizer, request: dict, write: Callable[[str], None] | None, group=None
 ) -> dict[str, Any]:
     """Decode ``request`` (identical on every rank); ``write`` gets text segments on rank 0."""
     mx.random.seed(request["seed"])
-    sampler = make_sampler(temp=request["temp"])
+    tokens = request["tokens"]
     responses = stream_generate(
-        model, tokenizer, mx.array(request["tokens"]), request["max_tokens"], sampler=sampler
+        model,
+        tokenizer,
+        mx.array(tokens),
+        request["max_tokens"],
+        sampler=sampler(request),
+        logits_processors=processors(request, len(tokens)),
     )
-    return stream(responses, write)
+    return stream(responses, write, request.get("stop") or [], group)
 
 
-def stream(responses: Iterable[Any], write: Callable[[str], None] | None) -> dict[str, Any]:
-    """Hand each response's text to ``write``; the stats of the run (mlx-lm's and mlx-vlm's
-    responses carry the same fields)."""
+class StopText:
+    """Rank 0's view of the text against the stop strings: text that could still be the start
+    of a stop string is held back until it is clearly not."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(x) for x in stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text to show now, whether a stop string was reached)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(x) for x in self.stops) if i >= 0]
+        if hits:
+            shown, self.pending = self.pending[: min(hits)], ""
+            return shown, True
+        held = next(
+            (
+                k
+                for k in range(min(len(self.pending), self.hold), 0, -1)
+                if any(x.startswith(self.pending[-k:]) for x in self.stops)
+            ),
+            0,
+        )
+        cut = len(self.pending) - held
+        shown, self.pending = self.pending[:cut], self.pending[cut:]
+        return shown, False
+
+    def flush(self) -> str:
+        shown, self.pending = self.pending, ""
+        return shown
+
+
+def rank0_stopped(stopped: bool, group) -> bool:
+    """Every rank learns whether rank 0 has stopped: a one-number all_sum (rank 0 gives 1)."""
+    flag = mx.distributed.all_sum(mx.array(1.0 if stopped else 0.0), group=group, stream=mx.cpu)
+    return flag.item() > 0
+
+
+def stream(
+    responses: Iterable[Any],
+    write: Callable[[str], None] | None,
+    stops: list[str] | None = None,
+    group=None,
+) -> dict[str, Any]:
+    """Hand each response's text to ``write`` (rank 0) and return the answer's stats.
+
+    Rank 0 alone sees the text, so it alone decides that a stop string was reached; every
+    STOP_CHECK_EVERY tokens all ranks agree on it through ``rank0_stopped`` and leave the loop
+    at the same token (they cannot stop alone: the next token needs every rank). mlx-lm's and
+    mlx-vlm's responses carry the same fields."""
+    text = StopText(stops or [])
+    distributed = group is not None and group.size() > 1
     start = time.perf_counter()
-    first = None
-    last = None
-    for response in responses:
+    first = last = None
+    stopped_at = None  # tokens generated when rank 0 reached a stop string
+    for n, response in enumerate(responses, start=1):
         if first is None:
             first = time.perf_counter()
-        if write is not None and response.text:
-            write(response.text)
         last = response
+        if stopped_at is None and write is not None:
+            shown, hit = text.feed(response.text)
+            if shown:
+                write(shown)
+            if hit:
+                stopped_at = response.generation_tokens
+        if distributed and n % STOP_CHECK_EVERY == 0:
+            if rank0_stopped(stopped_at is not None, group):
+                break
+        elif not distributed and stopped_at is not None:
+            break
+    else:
+        if write is not None and stopped_at is None:
+            rest = text.flush()
+            if rest:
+                write(rest)
+    if last is None:
+        raise RuntimeError("the model produced no response")
+    generated = stopped_at or last.generation_tokens
+    finish = "stop" if stopped_at else last.finish_reason
+    return answer_stats(last, generated, finish, (first - start) if first else None)
+
+
+def answer_stats(last, generated: int, finish: str | None, ttft: float | None) -> dict:
+    """usage and timings in the shape llama-server reports them."""
+    prompt_n = last.prompt_tokens
+    prompt_ms = 1000 * prompt_n / last.prompt_tps if last.prompt_tps else 0.0
+    predicted_ms = (
+        1000 * last.generation_tokens / last.generation_tps if last.generation_tps else 0.0
+    )
     return {
-        "prompt_tokens": last.prompt_tokens,
-        "prompt_tps": last.prompt_tps,
-        "generation_tokens": last.generation_tokens,
-        "generation_tps": last.generation_tps,
-        "time_to_first_token_s": (first - start) if first else None,
-        "peak_memory_gb": last.peak_memory,
-        "finish_reason": last.finish_reason,
+        "finish_reason": finish,
+        "usage": {
+            "prompt_tokens": prompt_n,
+            "completion_tokens": generated,
+            "total_tokens": prompt_n + generated,
+        },
+        "timings": {
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_second": last.prompt_tps,
+            "predicted_n": generated,
+            "predicted_ms": predicted_ms,
+            "predicted_per_second": last.generation_tps,
+            "cache_n": 0,
+        },
+        "time_to_first_token_s": ttft,
     }
 
 

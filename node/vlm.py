@@ -66,7 +66,7 @@ def _image(data: bytes):
 
 
 def generate_vlm(
-    model, processor, request: dict, write: Callable[[str], None] | None
+    model, processor, request: dict, write: Callable[[str], None] | None, group=None
 ) -> dict[str, Any]:
     """mlx-vlm's stream_generate on every rank, with the same prompt, image and seed."""
     from mlx_vlm.generate import stream_generate
@@ -82,5 +82,10 @@ def generate_vlm(
         image=images,
         max_tokens=request["max_tokens"],
         temperature=request["temp"],
+        top_p=request["top_p"],
+        top_k=request["top_k"],
+        min_p=request["min_p"],
+        repetition_penalty=request["repetition_penalty"],
+        presence_penalty=request["presence_penalty"],
     )
-    return stream(responses, write)
+    return stream(responses, write, request["stop"], group)

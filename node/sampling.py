@@ -1,0 +1,88 @@
+"""Sampling settings that every rank shares, and penalties that see only generated tokens.
+
+Every rank computes the same logits (pipeline: the last stage's hidden state is shared; tensor:
+all_sum gives every rank the same sums), so with the same settings and the same random seed
+every rank samples the same token; rank 0 decides the settings and the seed once.
+
+mlx-lm's penalty processors look at the prompt as well as the answer, and index the logits with
+whatever ids they get. Ours penalise only what was generated (a prompt that mentions a word must
+not make the answer avoid it) and ignore ids outside the logits (tokenizers with added tokens
+beyond the model's vocabulary).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+PENALTY_CONTEXT = 20  # generated tokens a penalty looks back over, as mlx-lm's default
+DEFAULTS: dict[str, Any] = {
+    "temp": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": None,
+    "presence_penalty": None,
+    "stop": [],
+}
+
+
+def settings(request: dict) -> dict:
+    """The shared settings of a launcher request; a missing seed is drawn here, on rank 0."""
+    chosen = {key: request.get(key, default) for key, default in DEFAULTS.items()}
+    chosen["stop"] = [s for s in chosen["stop"] or [] if s]
+    chosen["max_tokens"] = request["max_tokens"]
+    seed = request.get("seed")
+    chosen["seed"] = secrets.randbits(31) if seed is None else seed
+    return chosen
+
+
+def sampler(s: dict) -> Callable[[mx.array], mx.array]:
+    return make_sampler(temp=s["temp"], top_p=s["top_p"], min_p=s["min_p"], top_k=s["top_k"])
+
+
+def _seen(tokens: mx.array, prompt_len: int, vocab: int) -> mx.array | None:
+    """1.0 at each id among the last PENALTY_CONTEXT generated tokens, else 0.0; None if none.
+    Stays lazy: no host round trip per token."""
+    generated = tokens[prompt_len:][-PENALTY_CONTEXT:]
+    if generated.shape[0] == 0:
+        return None
+    valid = (generated >= 0) & (generated < vocab)
+    ids = mx.where(valid, generated, 0)
+    return mx.zeros((vocab,)).at[ids].maximum(valid.astype(mx.float32))
+
+
+def presence_penalty(penalty: float, prompt_len: int):
+    """Subtract ``penalty`` from each token already generated (OpenAI's presence_penalty)."""
+
+    def apply(tokens: mx.array, logits: mx.array) -> mx.array:
+        seen = _seen(tokens, prompt_len, logits.shape[-1])
+        return logits if seen is None else logits - penalty * seen.astype(logits.dtype)
+
+    return apply
+
+
+def repetition_penalty(penalty: float, prompt_len: int):
+    """Make tokens already generated less likely by ``penalty`` (sign-aware, as mlx-lm)."""
+
+    def apply(tokens: mx.array, logits: mx.array) -> mx.array:
+        seen = _seen(tokens, prompt_len, logits.shape[-1])
+        if seen is None:
+            return logits
+        penalized = mx.where(logits < 0, logits * penalty, logits / penalty)
+        return mx.where(seen > 0, penalized, logits)
+
+    return apply
+
+
+def processors(s: dict, prompt_len: int) -> list:
+    chosen = []
+    if s["repetition_penalty"] not in (None, 1.0):
+        chosen.append(repetition_penalty(s["repetition_penalty"], prompt_len))
+    if s["presence_penalty"] not in (None, 0.0):
+        chosen.append(presence_penalty(s["presence_penalty"], prompt_len))
+    return chosen
