@@ -27,6 +27,15 @@ def resolve_hostfile(path: str | None, num_ranks: int | None, backend: str | Non
     return hostfile
 
 
+def job_options(hostfile, num_ranks, backend, model, **fields) -> tuple:
+    """The hostfile and JobOptions of a command that runs a job (launch, chat)."""
+    try:
+        hf = resolve_hostfile(hostfile, num_ranks, backend)
+    except HostfileError as e:
+        raise click.UsageError(str(e)) from None
+    return hf, JobOptions(model=model or str(default_model_path()), **fields)
+
+
 def parse_split(ctx, param, value):
     if value is None:
         return None
@@ -37,6 +46,21 @@ def parse_split(ctx, param, value):
 
 
 MAX_IMAGE_BYTES = 64 * 1024 * 1024
+
+
+def read_tools(path: str | None) -> list | None:
+    if path is None:
+        return None
+    try:
+        tools = json.loads(open(path).read())
+    except (OSError, json.JSONDecodeError) as e:
+        raise click.BadParameter(f"{path}: {e}", param_hint="--tools") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise click.BadParameter(
+            f"{path}: want a JSON list of tool objects, like OpenAI's `tools`",
+            param_hint="--tools",
+        )
+    return tools
 
 
 def read_image(path: str) -> bytes:
@@ -210,7 +234,30 @@ SAMPLING = {
         "the same text.",
     ),
 }
+TEMPLATE = {
+    "system": click.option("--system", default=None, help="System prompt."),
+    "tools": click.option(
+        "--tools",
+        "tools",
+        type=click.Path(exists=True, dir_okay=False),
+        callback=lambda ctx, param, value: read_tools(value),
+        help="JSON file with a list of tool schemas (OpenAI style) for the chat template.",
+    ),
+    "enable_thinking": click.option(
+        "--thinking/--no-thinking",
+        "enable_thinking",
+        default=None,
+        help="Pass enable_thinking to the chat template (default: the template's own).",
+    ),
+    "reasoning_effort": click.option(
+        "--reasoning-effort",
+        type=click.Choice(["low", "medium", "high"]),
+        default=None,
+        help="Pass reasoning_effort to the chat template (gpt-oss and the like).",
+    ),
+}
 OPTIONS.update(SAMPLING)
+OPTIONS.update(TEMPLATE)
 HOST_OPTIONS = (
     "hostfile",
     "num_ranks",
@@ -232,7 +279,7 @@ def with_options(*names: str):
     return apply
 
 
-sampling_options = with_options(*SAMPLING)
+sampling_options = with_options(*SAMPLING, *TEMPLATE)
 launch_options = with_options(
     *HOST_OPTIONS, "model", "mode", "split", "heartbeat_timeout", "start_timeout", "verbose"
 )
@@ -287,12 +334,11 @@ def launch(prompt, hostfile, num_ranks, backend, model, image, logits, as_json, 
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
-    try:
-        hf = resolve_hostfile(hostfile, num_ranks, backend)
-    except HostfileError as e:
-        raise click.UsageError(str(e)) from None
-    options = JobOptions(
-        model=model or str(default_model_path()),
+    hf, options = job_options(
+        hostfile,
+        num_ranks,
+        backend,
+        model,
         prompt=prompt,
         image=read_image(image) if image else None,
         command="logits" if logits else "generate",
@@ -323,6 +369,53 @@ def answer_json(text: str, result) -> dict:
         "time_to_first_token_s": result.first_token_s,
         "peak_memory_gb": result.peak_memory_gb,
     }
+
+
+@cli.command()
+@launch_options
+@sampling_options
+@click.option(
+    "--prompt-cache-gb",
+    type=click.FloatRange(min=0),
+    default=4.0,
+    show_default=True,
+    help="Most KV cache each rank keeps between turns (over it, the next turn starts afresh).",
+)
+def chat(hostfile, num_ranks, backend, model, stop, **job):
+    """Talk to the model turn by turn: a line on stdin is a turn, rank 0's answer goes to stdout.
+
+    Every rank keeps the KV cache of its layers between turns, so a turn prefills only its own
+    new tokens (the stats line on stderr says how many were reused). /reset forgets the
+    conversation; /exit or Ctrl-D ends the session; Ctrl-C ends the current answer and keeps
+    the session (twice within 2 s quits). Works with piped stdin too.
+
+    \b
+    Examples:
+      mlx-cluster chat --model ./my-model
+      printf 'Hi\nTell me more\n' | mlx-cluster chat --hostfile hostfiles/thunderbolt-ring.yaml
+    """
+    hf, options = job_options(
+        hostfile,
+        num_ranks,
+        backend,
+        model,
+        prompt="",
+        command="chat",
+        forward_stdin=True,
+        stop=list(stop),
+        **job,
+    )
+    if sys.stdin.isatty():
+        click.echo(
+            "mlx-cluster: chat; /reset forgets, /exit or Ctrl-D ends, Ctrl-C stops an answer",
+            err=True,
+        )
+    try:
+        run_job(hf, options, started=STARTED)
+    except LaunchError as e:
+        if str(e):
+            click.echo(str(e), err=True)
+        sys.exit(e.exit_code)
 
 
 @cli.command()

@@ -59,6 +59,11 @@ class JobOptions:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     stop: list[str] = field(default_factory=list)  # stop strings (rank 0 decides, all agree)
+    system: str | None = None  # the system prompt (through the chat template)
+    tools: list | None = None  # tool schemas for the chat template
+    enable_thinking: bool | None = None  # passed to the chat template when set
+    reasoning_effort: str | None = None  # passed to the chat template when set
+    prompt_cache_gb: float = 4.0  # chat: the most KV cache each rank keeps between turns
     verbose: bool = False
     starting_port: int | None = None
     connections_per_ip: int = 1
@@ -132,8 +137,9 @@ def check_request(config: dict, options: JobOptions) -> None:
             f"--image needs a vision-language model; {options.model} is text-only "
             "(its config.json has no vision_config)"
         )
-    if options.command == "logits" and vision:
-        raise ModelError("--logits is for text models; this is a vision-language model")
+    if options.command in ("logits", "chat") and vision:
+        what = "--logits" if options.command == "logits" else "chat"
+        raise ModelError(f"{what} is for text models; this is a vision-language model")
 
 
 def check_ports(hostfile: Hostfile, launches: list[RankLaunch]) -> None:
@@ -160,6 +166,7 @@ def job_spec(
         "world_size": world_size,
         "split": options.split,
         "split_weights": weights,
+        "prompt_cache_gb": options.prompt_cache_gb,
     }
     if rank == 0:  # the prompt goes only where it is needed
         spec["request"] = {
@@ -173,6 +180,10 @@ def job_spec(
             "repetition_penalty": options.repetition_penalty,
             "presence_penalty": options.presence_penalty,
             "stop": list(options.stop),
+            "system": options.system,
+            "tools": options.tools,
+            "enable_thinking": options.enable_thinking,
+            "reasoning_effort": options.reasoning_effort,
         }
         if options.image is not None:  # the spec is a JSON file: the bytes travel as base64
             spec["request"]["image_b64"] = base64.b64encode(options.image).decode()
@@ -327,7 +338,16 @@ class Job:
                 self.stderr.write(f"[rank {state.rank} {state.host}] {line}")
             return
         _on_event(event, state, self.result)
-        if event["event"] == "ready":
+        kind = event["event"]
+        if kind == "stats":
+            ttft = self.result.first_token_s if self.options.command != "chat" else None
+            log(self.stderr, _stats_line(event, ttft))
+        elif kind == "notice":
+            log(self.stderr, event.get("message", ""))
+        elif kind == "awaiting_input" and _isatty(self.stdin):
+            self.stderr.write(">>> ")
+            self.stderr.flush()
+        if kind == "ready":
             self.ready += 1
             if self.options.verbose:
                 self.stderr.write(f"[rank {state.rank} {state.host}] {_ready_line(event)}\n")
@@ -409,7 +429,19 @@ def run_job(
     job_dir = make_job_dir()
     clients = []
     job = None
-    previous = _trap_signals()
+
+    def cancel_answer() -> bool:
+        """Chat: tell rank 0 to end the answer it is writing; False if it cannot be told."""
+        if job is None:
+            return False
+        try:
+            job.ranks[0].write_stdin(CANCEL)
+        except (OSError, ValueError, EOFError):
+            return False
+        log(stderr, f"answer cancelled; Ctrl-C again within {QUIT_WINDOW_S:g} s ends the chat")
+        return True
+
+    previous = _trap_signals(cancel_answer if options.command == "chat" else None)
     try:
         ranks, clients = open_ranks(hostfile, launches, job_dir, options.accept_new_host_keys)
         job = Job(ranks, options, stdout, stderr, started, stdin)
@@ -448,21 +480,33 @@ def run_job(
 
     result = job.result
     result.peak_memory_gb = [s.peak_memory_gb for s in job.states]
-    if result.stats:
-        t = result.stats["timings"]
-        log(
-            stderr,
-            f"prompt {t['prompt_n']} tokens at {t['prompt_per_second']:.1f} tok/s, "
-            f"generated {t['predicted_n']} tokens at {t['predicted_per_second']:.1f} "
-            f"tok/s ({result.stats['finish_reason']}), first token "
-            f"{result.first_token_s or 0:.2f} s after start",
-        )
     if any(m is not None for m in result.peak_memory_gb):
         shown = ", ".join(
             f"rank {r} {m:.3f} GB" for r, m in enumerate(result.peak_memory_gb) if m is not None
         )
         log(stderr, f"peak memory: {shown}")
     return result
+
+
+def _stats_line(stats: dict, since_start: float | None) -> str:
+    """One answer's numbers: prompt tokens prefilled (and reused from the cache), generation."""
+    t = stats["timings"]
+    if since_start is not None:
+        first = f"first token {since_start:.2f} s after start"
+    else:
+        first = f"first token after {stats.get('time_to_first_token_s') or 0:.2f} s"
+    return (
+        f"prompt {t['prompt_n']} tokens at {t['prompt_per_second']:.1f} tok/s, cache "
+        f"{t['cache_n']}, generated {t['predicted_n']} tokens at "
+        f"{t['predicted_per_second']:.1f} tok/s ({stats['finish_reason']}), {first}"
+    )
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _forward_stdin(stdin: IO[bytes], rank) -> None:
@@ -605,8 +649,21 @@ def _silence_stdout(stdout) -> None:
         os.close(devnull)
 
 
-def _trap_signals():
+CANCEL = b"\x03"  # to rank 0's stdin: Ctrl-C in chat ends the current answer (node/chat.py)
+QUIT_WINDOW_S = 2.0  # a second Ctrl-C within this ends the chat session
+
+
+def _trap_signals(cancel=None):
+    """SIGINT/TERM/HUP end the job (Interrupted). With ``cancel`` (chat), a first Ctrl-C calls
+    it instead and a second one within QUIT_WINDOW_S ends the job."""
+    last_cancel = [float("-inf")]
+
     def handler(signum, frame):
+        now = time.monotonic()
+        if cancel is not None and signum == signal.SIGINT and now - last_cancel[0] > QUIT_WINDOW_S:
+            last_cancel[0] = now
+            if cancel():
+                return
         raise Interrupted(signum)
 
     previous = {}

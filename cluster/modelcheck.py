@@ -39,6 +39,12 @@ def read_config(model_dir: Path, require_weights: bool = True) -> dict[str, Any]
     if not model_dir.exists():
         raise ModelError(f"{model_dir}: no such model directory")
     config_path = model_dir / "config.json"
+    if not config_path.exists() and (model_dir / "adapter_config.json").exists():
+        raise ModelError(
+            f"{model_dir}: is a LoRA adapter, not a model; the ranks load plain checkpoints "
+            "only. Fuse it into its base model first: mlx_lm.fuse --model BASE "
+            f"--adapter-path {model_dir} --save-path FUSED, then pass --model FUSED"
+        )
     if not config_path.exists():
         raise ModelError(f"{model_dir}: not an MLX/Hugging Face checkpoint (no config.json)")
     try:

@@ -17,15 +17,13 @@ import traceback
 from cluster.modelcheck import ModelError
 from cluster.protocol import encode_event
 
-COMMANDS = ("generate", "logits")
+from .share import PeerFailed
+
+COMMANDS = ("generate", "logits", "chat")
 EXIT_FAILED = 1
 EXIT_PEER_FAILED = 3
 HEARTBEAT_S = 1.0
 _stderr_lock = threading.Lock()
-
-
-class PeerFailed(RuntimeError):
-    """Rank 0 told the others that it could not go on."""
 
 
 def is_peer_loss(e: Exception) -> bool:
@@ -71,6 +69,12 @@ def run(spec: dict) -> None:
     emit("phase", phase="init")
     group = init_group(spec["world_size"])
     rank = group.rank()
+    from .memory import apply_metal_limits
+
+    limit = apply_metal_limits()
+    if limit is not None:
+        with _stderr_lock:
+            print(f"Metal memory and wired limits: {limit / 1e9:.1f} GB", file=sys.stderr)
     emit("phase", phase="loading")
     tic = time.perf_counter()
     loaded = load_shard(
@@ -82,8 +86,15 @@ def run(spec: dict) -> None:
     command = spec.get("command", "generate")
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}")
-    if command == "logits" and loaded.processor is not None:  # every rank stops here alike
-        raise ModelError("--logits is for text models; this is a vision-language model")
+    if command in ("logits", "chat") and loaded.processor is not None:  # every rank alike
+        raise ModelError(f"{command} is for text models; this is a vision-language model")
+    if command == "chat":
+        from .chat import run_chat
+
+        run_chat(loaded, group, spec, emit, write_text if rank == 0 else None)
+        emit_memory()
+        barrier(group)
+        return
     request = None
     if rank == 0:
         try:
@@ -108,7 +119,7 @@ def run(spec: dict) -> None:
         stats = generate_vlm(loaded.model, loaded.processor, request, write, group)
     else:
         emit("phase", phase="generating", prompt_tokens=len(request["tokens"]))
-        stats = generate(loaded.model, loaded.tokenizer, request, write, group)
+        stats = generate(loaded.model, loaded.tokenizer, request, write, group).stats
     emit_memory()
     barrier(group)
     if rank == 0:

@@ -8,49 +8,88 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import stream_generate
+from mlx_lm.generate import generation_stream, stream_generate
 
+from .reasoning import THINK_OPEN, Rewrite, held_back, normalizer, opens_in_thought
 from .sampling import processors, sampler, settings
 
 STOP_CHECK_EVERY = 4  # tokens between the ranks' checks of rank 0's stop decision
 
 
-def prompt_tokens(tokenizer, prompt: str) -> list[int]:
-    """As mlx_lm.generate does: the chat template when the tokenizer has one, raw text otherwise."""
+TEMPLATE_KEYS = ("tools", "enable_thinking", "reasoning_effort")
+
+
+def render(tokenizer, messages: list[dict[str, str]], r: dict) -> list[int]:
+    """Messages to prompt tokens as mlx_lm.generate does: the chat template when the tokenizer
+    has one (with the request's system prompt, tools and reasoning switches), plain text
+    otherwise."""
+    system = r.get("system")
     if tokenizer.has_chat_template:
+        if system:
+            messages = [{"role": "system", "content": system}, *messages]
+        args = {key: r[key] for key in TEMPLATE_KEYS if r.get(key) is not None}
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            messages, tokenize=False, add_generation_prompt=True, **args
         )
         return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(prompt)
+    parts = ([system] if system else []) + [m["content"] for m in messages]
+    return tokenizer.encode("\n".join(parts))
 
 
 def make_request(tokenizer, r: dict) -> dict:
     """Rank 0's work order, in the form share_object carries to the other ranks."""
-    tokens = prompt_tokens(tokenizer, r["prompt"])
+    tokens = render(tokenizer, [{"role": "user", "content": r["prompt"]}], r)
     if not tokens:
         raise ValueError("the prompt is empty after tokenization")
     return {"tokens": tokens, **settings(r)}
 
 
+@dataclass
+class Answer:
+    text: str  # what rank 0 showed (rank 0 only)
+    tokens: list[int]  # every token generated, the stop string's too
+    stats: dict[str, Any]
+
+
 def generate(
-    model, tokenizer, request: dict, write: Callable[[str], None] | None, group=None
-) -> dict[str, Any]:
-    """Decode ``request`` (identical on every rank); ``write`` gets text segments on rank 0."""
+    model,
+    tokenizer,
+    request: dict,
+    write: Callable[[str], None] | None,
+    group=None,
+    prompt_cache: list | None = None,
+    feed: list[int] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+) -> Answer:
+    """Decode ``request`` (identical on every rank); ``write`` gets text segments on rank 0.
+
+    With ``prompt_cache`` (holding the start of the prompt), only ``feed`` is prefilled."""
     mx.random.seed(request["seed"])
-    tokens = request["tokens"]
+    feed = request["tokens"] if feed is None else feed
     responses = stream_generate(
         model,
         tokenizer,
-        mx.array(tokens),
+        mx.array(feed),
         request["max_tokens"],
         sampler=sampler(request),
-        logits_processors=processors(request, len(tokens)),
+        logits_processors=processors(request, len(feed)),
+        prompt_cache=prompt_cache,
     )
-    return stream(responses, write, request.get("stop") or [], group)
+    opening = THINK_OPEN if opens_in_thought(tokenizer, request["tokens"]) else ""
+    return stream(
+        responses,
+        write,
+        request.get("stop") or [],
+        group,
+        cancelled,
+        generation_stream,
+        rewrite=normalizer(tokenizer),
+        opening=opening,
+    )
 
 
 class StopText:
@@ -59,7 +98,6 @@ class StopText:
 
     def __init__(self, stops: list[str]):
         self.stops = stops
-        self.hold = max((len(x) for x in stops), default=1) - 1
         self.pending = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
@@ -69,15 +107,7 @@ class StopText:
         if hits:
             shown, self.pending = self.pending[: min(hits)], ""
             return shown, True
-        held = next(
-            (
-                k
-                for k in range(min(len(self.pending), self.hold), 0, -1)
-                if any(x.startswith(self.pending[-k:]) for x in self.stops)
-            ),
-            0,
-        )
-        cut = len(self.pending) - held
+        cut = len(self.pending) - held_back(self.pending, self.stops)
         shown, self.pending = self.pending[:cut], self.pending[cut:]
         return shown, False
 
@@ -86,8 +116,13 @@ class StopText:
         return shown
 
 
-def rank0_stopped(stopped: bool, group) -> bool:
-    """Every rank learns whether rank 0 has stopped: a one-number all_sum (rank 0 gives 1)."""
+def rank0_stopped(stopped: bool, group, gen_stream) -> bool:
+    """Every rank learns whether rank 0 has stopped: a one-number all_sum (rank 0 gives 1).
+
+    First wait for the step the generator has in flight: its sends and all-reduces run on the
+    generation stream's thread, and a collective on another stream at the same time would
+    interleave with them on the same sockets (garbled hidden states, not an error)."""
+    mx.synchronize(gen_stream)
     flag = mx.distributed.all_sum(mx.array(1.0 if stopped else 0.0), group=group, stream=mx.cpu)
     return flag.item() > 0
 
@@ -97,43 +132,65 @@ def stream(
     write: Callable[[str], None] | None,
     stops: list[str] | None = None,
     group=None,
-) -> dict[str, Any]:
-    """Hand each response's text to ``write`` (rank 0) and return the answer's stats.
+    cancelled: Callable[[], bool] | None = None,
+    gen_stream=None,
+    rewrite: Rewrite | None = None,
+    opening: str = "",
+) -> Answer:
+    """Hand each response's text to ``write`` (rank 0) and return the answer.
 
-    Rank 0 alone sees the text, so it alone decides that a stop string was reached; every
-    STOP_CHECK_EVERY tokens all ranks agree on it through ``rank0_stopped`` and leave the loop
-    at the same token (they cannot stop alone: the next token needs every rank). mlx-lm's and
-    mlx-vlm's responses carry the same fields."""
+    Rank 0 alone sees the text and the user, so it alone decides to stop (a stop string, or
+    ``cancelled()``: Ctrl-C in chat); every STOP_CHECK_EVERY tokens all ranks agree on it
+    through ``rank0_stopped`` and leave the loop at the same token (they cannot stop alone: the
+    next token needs every rank). ``rewrite`` normalises reasoning markers before the stop
+    strings are looked for; ``opening`` (a ``<think>`` the template opened) starts the text.
+    mlx-lm's and mlx-vlm's responses carry the same fields."""
     text = StopText(stops or [])
+    rewrite = rewrite or Rewrite({})
     distributed = group is not None and group.size() > 1
     start = time.perf_counter()
     first = last = None
-    stopped_at = None  # tokens generated when rank 0 reached a stop string
+    stopped_at = None  # tokens generated when rank 0 decided to stop
+    reason = "stop"
+    shown_text: list[str] = []
+    tokens: list[int] = []
+    if write is not None and opening:
+        write(opening)
+        shown_text.append(opening)
     for n, response in enumerate(responses, start=1):
         if first is None:
             first = time.perf_counter()
         last = response
+        tokens.append(response.token)
         if stopped_at is None and write is not None:
-            shown, hit = text.feed(response.text)
+            shown, hit = text.feed(rewrite.feed(response.text))
             if shown:
                 write(shown)
+                shown_text.append(shown)
             if hit:
                 stopped_at = response.generation_tokens
+            elif cancelled is not None and cancelled():
+                stopped_at, reason = response.generation_tokens, "cancelled"
         if distributed and n % STOP_CHECK_EVERY == 0:
-            if rank0_stopped(stopped_at is not None, group):
+            if rank0_stopped(stopped_at is not None, group, gen_stream):
                 break
         elif not distributed and stopped_at is not None:
             break
     else:
         if write is not None and stopped_at is None:
-            rest = text.flush()
+            rest, hit = text.feed(rewrite.flush())
+            rest += "" if hit else text.flush()
             if rest:
                 write(rest)
+                shown_text.append(rest)
+    # the generator may have a step in flight; let it finish before any other collective
+    mx.synchronize(gen_stream)
     if last is None:
         raise RuntimeError("the model produced no response")
     generated = stopped_at or last.generation_tokens
-    finish = "stop" if stopped_at else last.finish_reason
-    return answer_stats(last, generated, finish, (first - start) if first else None)
+    finish = reason if stopped_at else last.finish_reason
+    stats = answer_stats(last, generated, finish, (first - start) if first else None)
+    return Answer("".join(shown_text), tokens, stats)
 
 
 def answer_stats(last, generated: int, finish: str | None, ttft: float | None) -> dict:

@@ -24,6 +24,10 @@ ENCODE_FAILED = -1
 TOO_LARGE = -2
 
 
+class PeerFailed(RuntimeError):
+    """Rank 0 told the others that it could not go on."""
+
+
 class ShareError(RuntimeError):
     """Raised on every rank when an object could not be shared."""
 

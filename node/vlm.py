@@ -70,6 +70,7 @@ def generate_vlm(
 ) -> dict[str, Any]:
     """mlx-vlm's stream_generate on every rank, with the same prompt, image and seed."""
     from mlx_vlm.generate import stream_generate
+    from mlx_vlm.generate.common import generation_stream
 
     from .generate import stream
 
@@ -88,4 +89,4 @@ def generate_vlm(
         repetition_penalty=request["repetition_penalty"],
         presence_penalty=request["presence_penalty"],
     )
-    return stream(responses, write, request["stop"], group)
+    return stream(responses, write, request["stop"], group, gen_stream=generation_stream).stats

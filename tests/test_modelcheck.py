@@ -37,6 +37,13 @@ def test_gguf_and_empty_dirs(tmp_path):
         read_config(tmp_path)
 
 
+def test_lora_adapter_is_named_with_the_fuse_command(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapters.safetensors").write_bytes(b"")
+    with pytest.raises(ModelError, match="is a LoRA adapter, not a model.*mlx_lm.fuse"):
+        read_config(tmp_path)
+
+
 def test_weighted_split_gives_every_rank_a_layer_and_sums():
     from cluster.modelcheck import choose_split, weighted_split
 

@@ -240,8 +240,9 @@ def make_model(
     out: Path,
     family: str = "llama",
     seed: int = 0,
-    chat_template: bool = False,
+    chat_template: bool | str = False,
     bits: int | None = None,
+    extra_special=(),
     init_scale: float | None = None,
     **overrides,
 ) -> Path:
@@ -253,7 +254,9 @@ def make_model(
 
     out.mkdir(parents=True, exist_ok=True)
     config = {**FAMILIES[family], **overrides}
-    tokenizer = train_tokenizer(out, config["vocab_size"], CHAT_TEMPLATE if chat_template else None)
+    template = chat_template if isinstance(chat_template, str) else None
+    template = template or (CHAT_TEMPLATE if chat_template else None)
+    tokenizer = train_tokenizer(out, config["vocab_size"], template, extra_special)
     config.setdefault("eos_token_id", tokenizer.eos_token_id)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)

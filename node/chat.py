@@ -1,0 +1,204 @@
+"""`mlx-cluster chat`: a multi-turn session on every rank.
+
+Rank 0 reads the user's turns from its stdin (the launcher forwards its own), keeps the history
+and turns it into prompt tokens through the chat template; each turn reaches the other ranks
+through share_object, and None ends the session. Every rank keeps the KV cache of its own layers
+from turn to turn and prefills only the tokens past the longest prefix it already holds, so a
+follow-up question costs its own tokens, not the whole conversation again.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO
+
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+CANCEL = b"\x03"  # the launcher writes this to rank 0's stdin on Ctrl-C: end this answer
+DEFAULT_CACHE_GB = 4.0
+COMMANDS_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) ends the session"
+
+
+class Input:
+    """Rank 0's stdin, read on a thread: lines go to a queue (None at EOF); a CANCEL byte
+    anywhere sets ``cancel`` at once, even while the main thread is generating."""
+
+    def __init__(self, stream: IO[bytes]):
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.cancel = threading.Event()
+        threading.Thread(target=self._read, args=(stream.fileno(),), daemon=True).start()
+
+    def _read(self, fd: int) -> None:
+        pending = b""
+        try:
+            while chunk := os.read(fd, 65536):
+                if CANCEL in chunk:
+                    self.cancel.set()
+                    chunk = chunk.replace(CANCEL, b"")
+                pending += chunk
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    self.lines.put(line.decode("utf-8", "replace"))
+        except OSError:
+            pass
+        if pending.strip():
+            self.lines.put(pending.decode("utf-8", "replace"))
+        self.lines.put(None)
+
+
+class Conversation:
+    """Rank 0's history, and the prompt tokens of the next turn."""
+
+    def __init__(self, tokenizer, options: dict):
+        self.tokenizer = tokenizer
+        self.options = options  # system prompt, tools, reasoning switches
+        self.messages: list[dict[str, str]] = []
+        self.templated = bool(tokenizer.has_chat_template)
+
+    def reset(self) -> None:
+        self.messages = []
+
+    def tokens_for(self, user: str) -> list[int]:
+        """Without a template the conversation goes as plain running text."""
+        from .generate import render
+
+        messages = [*self.messages, {"role": "user", "content": user}]
+        return render(self.tokenizer, messages, self.options)
+
+    def add(self, user: str, answer: str) -> None:
+        self.messages += [
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": answer},
+        ]
+
+
+class TurnCache:
+    """One rank's KV cache between turns, bounded by ``budget_bytes``."""
+
+    def __init__(self, model, budget_bytes: float):
+        self.model = model
+        self.budget = budget_bytes
+        self.cache: list | None = None
+        self.tokens: list[int] = []  # what the cache holds, in order
+
+    def prepare(self, tokens: list[int]) -> tuple[list, list[int], int]:
+        """(cache to decode with, tokens still to prefill, tokens reused from the cache)."""
+        if self.cache is None:
+            self.cache, self.tokens = make_prompt_cache(self.model), []
+        held = self.tokens
+        reused = 0
+        for a, b in zip(held, tokens, strict=False):
+            if a != b:
+                break
+            reused += 1
+        reused = min(reused, len(tokens) - 1)  # at least one token must be fed
+        surplus = len(held) - reused
+        if surplus and not can_trim_prompt_cache(self.cache):
+            self.cache, reused = make_prompt_cache(self.model), 0
+        elif surplus:
+            trim_prompt_cache(self.cache, surplus)
+        return self.cache, tokens[reused:], reused
+
+    def done(self, tokens: list[int], generated: list[int]) -> None:
+        """After a turn: note what the cache now holds, or drop it when over budget."""
+        offset = _offset(self.cache)
+        if offset is None or _nbytes(self.cache) > self.budget:
+            self.cache, self.tokens = None, []
+            return
+        self.tokens = (tokens + generated)[:offset]
+
+
+def _offset(cache: list) -> int | None:
+    for c in cache:
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int) and getattr(c, "state", None) != []:
+            return offset
+    return None
+
+
+def _nbytes(cache: list) -> int:
+    return sum(getattr(c, "nbytes", 0) for c in cache)
+
+
+def next_turn(inp: Input, conversation: Conversation, log: Callable[[str], None]) -> str | None:
+    """The next user turn from rank 0's stdin; None ends the session."""
+    while True:
+        line = inp.lines.get()
+        if line is None:
+            return None
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return None
+        if line == "/reset":
+            conversation.reset()
+            log("conversation reset")
+            continue
+        if line.startswith("/") and " " not in line:
+            log(f"unknown command {line}; {COMMANDS_HELP}")
+            continue
+        inp.cancel.clear()  # a Ctrl-C while idle does not cancel the next answer
+        return line
+
+
+def run_chat(loaded, group, spec: dict, emit: Callable, write: Callable[[str], None] | None):
+    """The session loop of every rank; rank 0 (``write`` given) reads, the others follow."""
+    from .generate import generate
+    from .sampling import settings
+    from .share import PeerFailed, share_object
+
+    rank0 = group.rank() == 0
+    budget = float(spec.get("prompt_cache_gb", DEFAULT_CACHE_GB)) * 1e9
+    cache = TurnCache(loaded.model, budget)
+    if rank0:
+        inp = Input(sys.stdin.buffer)
+        conversation = Conversation(loaded.tokenizer, spec["request"])
+        if not conversation.templated:
+            emit(
+                "notice",
+                message="the model has no chat template; the conversation goes to it as plain text",
+            )
+
+        def notice(message: str) -> None:
+            emit("notice", message=message)
+
+    while True:
+        request = user = None
+        if rank0:
+            try:
+                emit("awaiting_input")
+                user = next_turn(inp, conversation, notice)
+                if user is not None:
+                    tokens = conversation.tokens_for(user)
+                    request = {"tokens": tokens, **settings(spec["request"])}
+            except Exception as e:  # tell the other ranks before failing
+                share_object({"error": f"{type(e).__name__}: {e}"}, group)
+                raise
+        request = share_object(request, group)
+        if request is None:
+            return
+        if "error" in request:
+            raise PeerFailed(f"rank 0 failed to prepare the turn: {request['error']}")
+        prompt_cache, feed, reused = cache.prepare(request["tokens"])
+        emit("phase", phase="generating", prompt_tokens=len(request["tokens"]))
+        answer = generate(
+            loaded.model,
+            loaded.tokenizer,
+            request,
+            write,
+            group,
+            prompt_cache=prompt_cache,
+            feed=feed,
+            cancelled=inp.cancel.is_set if rank0 else None,
+        )
+        cache.done(request["tokens"], answer.tokens)
+        if rank0:
+            write("\n")
+            conversation.add(user, answer.text)
+            answer.stats["timings"]["cache_n"] = reused
+            emit("stats", **answer.stats)
