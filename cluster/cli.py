@@ -36,6 +36,16 @@ def job_options(hostfile, num_ranks, backend, model, **fields) -> tuple:
     return hf, JobOptions(model=model or str(default_model_path()), **fields)
 
 
+def run_or_exit(hf, options, stdout=None):
+    """Run the job; on failure print its report and exit with its code."""
+    try:
+        return run_job(hf, options, stdout=stdout, started=STARTED)
+    except LaunchError as e:
+        if str(e):
+            click.echo(str(e), err=True)
+        sys.exit(e.exit_code)
+
+
 def parse_split(ctx, param, value):
     if value is None:
         return None
@@ -348,12 +358,7 @@ def launch(prompt, hostfile, num_ranks, backend, model, image, logits, as_json, 
     if as_json and logits:
         raise click.UsageError("--logits already prints JSON; drop --json")
     text = io.BytesIO() if as_json else None
-    try:
-        result = run_job(hf, options, stdout=text, started=STARTED)
-    except LaunchError as e:
-        if str(e):
-            click.echo(str(e), err=True)
-        sys.exit(e.exit_code)
+    result = run_or_exit(hf, options, stdout=text)
     if as_json:
         click.echo(json.dumps(answer_json(text.getvalue().decode("utf-8", "replace"), result)))
 
@@ -410,12 +415,44 @@ def chat(hostfile, num_ranks, backend, model, stop, **job):
             "mlx-cluster: chat; /reset forgets, /exit or Ctrl-D ends, Ctrl-C stops an answer",
             err=True,
         )
-    try:
-        run_job(hf, options, started=STARTED)
-    except LaunchError as e:
-        if str(e):
-            click.echo(str(e), err=True)
-        sys.exit(e.exit_code)
+    run_or_exit(hf, options)
+
+
+@cli.command()
+@launch_options
+@click.option(
+    "--host",
+    "serve_host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address rank 0 listens on (0.0.0.0 opens it to the network).",
+)
+@click.option(
+    "--port", "serve_port", type=click.IntRange(0, 65535), default=8080, show_default=True
+)
+@click.option(
+    "--api-key",
+    envvar="MLX_CLUSTER_API_KEY",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' (better: set MLX_CLUSTER_API_KEY, which keeps "
+    "it out of the process list).",
+)
+def serve(hostfile, num_ranks, backend, model, **job):
+    """Serve the model with an OpenAI-compatible API on rank 0 until Ctrl-C.
+
+    Endpoints: GET /v1/models, GET /health, POST /v1/chat/completions and /v1/completions
+    (streaming with SSE, or not). Requests from many clients are queued and decoded one at a
+    time on every rank; a client that disconnects mid-stream cancels its answer on every rank.
+
+    \b
+    Examples:
+      mlx-cluster serve --model ./my-model --port 8080
+      OPENAI_BASE_URL=http://127.0.0.1:8080/v1 OPENAI_API_KEY=none python my_client.py
+    """
+    hf, options = job_options(
+        hostfile, num_ranks, backend, model, prompt="", command="serve", **job
+    )
+    run_or_exit(hf, options)
 
 
 @cli.command()

@@ -64,6 +64,9 @@ class JobOptions:
     enable_thinking: bool | None = None  # passed to the chat template when set
     reasoning_effort: str | None = None  # passed to the chat template when set
     prompt_cache_gb: float = 4.0  # chat: the most KV cache each rank keeps between turns
+    serve_host: str = "127.0.0.1"  # serve: where rank 0 listens
+    serve_port: int = 8080
+    api_key: str | None = None  # serve: clients must send it; travels in rank 0's spec file
     verbose: bool = False
     starting_port: int | None = None
     connections_per_ip: int = 1
@@ -137,8 +140,8 @@ def check_request(config: dict, options: JobOptions) -> None:
             f"--image needs a vision-language model; {options.model} is text-only "
             "(its config.json has no vision_config)"
         )
-    if options.command in ("logits", "chat") and vision:
-        what = "--logits" if options.command == "logits" else "chat"
+    if options.command in ("logits", "chat", "serve") and vision:
+        what = "--logits" if options.command == "logits" else options.command
         raise ModelError(f"{what} is for text models; this is a vision-language model")
 
 
@@ -168,6 +171,12 @@ def job_spec(
         "split_weights": weights,
         "prompt_cache_gb": options.prompt_cache_gb,
     }
+    if rank == 0 and options.command == "serve":
+        spec["serve"] = {
+            "host": options.serve_host,
+            "port": options.serve_port,
+            "api_key": options.api_key,
+        }
     if rank == 0:  # the prompt goes only where it is needed
         spec["request"] = {
             "prompt": options.prompt,

@@ -19,7 +19,7 @@ from cluster.protocol import encode_event
 
 from .share import PeerFailed
 
-COMMANDS = ("generate", "logits", "chat")
+COMMANDS = ("generate", "logits", "chat", "serve")
 EXIT_FAILED = 1
 EXIT_PEER_FAILED = 3
 HEARTBEAT_S = 1.0
@@ -86,8 +86,13 @@ def run(spec: dict) -> None:
     command = spec.get("command", "generate")
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}")
-    if command in ("logits", "chat") and loaded.processor is not None:  # every rank alike
+    if command in ("logits", "chat", "serve") and loaded.processor is not None:  # all alike
         raise ModelError(f"{command} is for text models; this is a vision-language model")
+    if command == "serve":
+        from .serve import run_serve
+
+        run_serve(loaded, group, spec, emit)
+        return
     if command == "chat":
         from .chat import run_chat
 

@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "min_p": 0.0,
     "repetition_penalty": None,
     "presence_penalty": None,
+    "frequency_penalty": None,
     "stop": [],
 }
 
@@ -45,15 +46,31 @@ def sampler(s: dict) -> Callable[[mx.array], mx.array]:
     return make_sampler(temp=s["temp"], top_p=s["top_p"], min_p=s["min_p"], top_k=s["top_k"])
 
 
-def _seen(tokens: mx.array, prompt_len: int, vocab: int) -> mx.array | None:
-    """1.0 at each id among the last PENALTY_CONTEXT generated tokens, else 0.0; None if none.
+def _counts(tokens: mx.array, prompt_len: int, vocab: int) -> mx.array | None:
+    """How often each id came among the last PENALTY_CONTEXT generated tokens; None if none.
     Stays lazy: no host round trip per token."""
     generated = tokens[prompt_len:][-PENALTY_CONTEXT:]
     if generated.shape[0] == 0:
         return None
     valid = (generated >= 0) & (generated < vocab)
     ids = mx.where(valid, generated, 0)
-    return mx.zeros((vocab,)).at[ids].maximum(valid.astype(mx.float32))
+    return mx.zeros((vocab,)).at[ids].add(valid.astype(mx.float32))
+
+
+def _seen(tokens: mx.array, prompt_len: int, vocab: int) -> mx.array | None:
+    """1.0 at each id among the last PENALTY_CONTEXT generated tokens, else 0.0; None if none."""
+    counts = _counts(tokens, prompt_len, vocab)
+    return None if counts is None else mx.minimum(counts, 1.0)
+
+
+def frequency_penalty(penalty: float, prompt_len: int):
+    """Subtract ``penalty`` times each token's count so far (OpenAI's frequency_penalty)."""
+
+    def apply(tokens: mx.array, logits: mx.array) -> mx.array:
+        counts = _counts(tokens, prompt_len, logits.shape[-1])
+        return logits if counts is None else logits - penalty * counts.astype(logits.dtype)
+
+    return apply
 
 
 def presence_penalty(penalty: float, prompt_len: int):
@@ -85,4 +102,6 @@ def processors(s: dict, prompt_len: int) -> list:
         chosen.append(repetition_penalty(s["repetition_penalty"], prompt_len))
     if s["presence_penalty"] not in (None, 0.0):
         chosen.append(presence_penalty(s["presence_penalty"], prompt_len))
+    if s["frequency_penalty"] not in (None, 0.0):
+        chosen.append(frequency_penalty(s["frequency_penalty"], prompt_len))
     return chosen

@@ -1,0 +1,359 @@
+"""`mlx-cluster serve`: an OpenAI-compatible HTTP API on rank 0.
+
+HTTP threads on rank 0 only parse requests and queue them; the main thread takes one request at a
+time, turns it into prompt tokens, shares it with the other ranks (share_object, plain JSON:
+nothing from the network is ever unpickled) and every rank decodes it in lockstep. The other
+ranks wait in share_object between requests. A client that goes away mid-stream sets its job's
+cancel flag, which rank 0 turns into a stop that every rank agrees on within a few tokens.
+Requests from many clients are queued, one decoded at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+DRAIN_BYTES = 64 * 1024 * 1024  # a larger body is refused without reading it
+SAMPLING_FIELDS = {  # OpenAI field -> (our setting, accepted types)
+    "temperature": ("temp", (int, float)),
+    "top_p": ("top_p", (int, float)),
+    "top_k": ("top_k", (int,)),
+    "min_p": ("min_p", (int, float)),
+    "seed": ("seed", (int,)),
+    "presence_penalty": ("presence_penalty", (int, float)),
+    "frequency_penalty": ("frequency_penalty", (int, float)),
+    "repetition_penalty": ("repetition_penalty", (int, float)),
+}
+DEFAULT_MAX_TOKENS = 512
+
+
+class RequestError(ValueError):
+    """A request the API refuses: HTTP status, OpenAI error type and message."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+@dataclass
+class Job:
+    kind: str  # "chat" or "completion"
+    body: dict
+    stream: bool
+    chunks: queue.Queue = field(default_factory=queue.Queue)  # text, then an end marker
+    cancel: threading.Event = field(default_factory=threading.Event)
+    id: str = field(default_factory=lambda: secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+    result: dict | None = None  # the answer's stats, set before END
+    model: str | None = None  # the id answers name
+
+
+END = object()
+
+
+def check_body(kind: str, body: Any, model_ids: set[str]) -> None:
+    """Refuse what we cannot serve, with the field named (OpenAI-style 400/404)."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model not in model_ids:
+        raise RequestError(
+            404, f"model {model!r} is not served here; GET /v1/models lists it", "not_found_error"
+        )
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "'messages' must be a non-empty list")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(400, "each message must be an object with a 'role'")
+            if not isinstance(m.get("content", ""), (str, list, type(None))):
+                raise RequestError(400, "a message's 'content' must be a string or a list")
+    else:
+        if not isinstance(body.get("prompt"), str) or not body["prompt"]:
+            raise RequestError(400, "'prompt' must be a non-empty string")
+    for name, (_, types) in SAMPLING_FIELDS.items():
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise RequestError(400, f"'{name}' must be a number")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        raise RequestError(400, "'max_tokens' must be a positive integer")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise RequestError(400, "'stop' must be a string or a list of strings")
+    if body.get("tools") is not None and not isinstance(body["tools"], list):
+        raise RequestError(400, "'tools' must be a list")
+
+
+def request_options(body: dict) -> dict:
+    """The launcher-request shape that node.sampling.settings takes."""
+    options: dict[str, Any] = {
+        ours: body[name]
+        for name, (ours, _) in SAMPLING_FIELDS.items()
+        if body.get(name) is not None
+    }
+    options["max_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens")
+    options["max_tokens"] = options["max_tokens"] or DEFAULT_MAX_TOKENS
+    stop = body.get("stop")
+    options["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
+    if body.get("tools"):
+        options["tools"] = body["tools"]
+    return options
+
+
+def _text(content) -> str:
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def prompt_of(job: Job, tokenizer) -> list[int]:
+    from .generate import render
+
+    if job.kind == "chat":
+        messages = [
+            {"role": m["role"], "content": _text(m.get("content"))} for m in job.body["messages"]
+        ]
+        return render(tokenizer, messages, request_options(job.body))
+    return tokenizer.encode(job.body["prompt"])
+
+
+class Server:
+    """Rank 0's HTTP side: a queue of jobs for the main thread."""
+
+    def __init__(self, host: str, port: int, model_id: str, info: dict, api_key: str | None):
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.model_id = model_id
+        self.info = info
+        self.api_key = api_key
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format, *args):  # noqa: A002 - stderr is for our events
+                pass
+
+            def do_GET(self):
+                if not server.authorized(self):
+                    return
+                if self.path.rstrip("/") == "/v1/models":
+                    data = [{"id": model_id, "object": "model", "owned_by": "mlx-cluster"}]
+                    self.reply(200, {"object": "list", "data": data})
+                elif self.path.rstrip("/") == "/health":
+                    self.reply(200, {"status": "ok", **server.info})
+                else:
+                    self.error(RequestError(404, f"no route {self.path}", "not_found_error"))
+
+            def do_POST(self):
+                if not server.authorized(self):
+                    return
+                routes = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+                kind = routes.get(self.path.rstrip("/"))
+                try:
+                    if kind is None:
+                        raise RequestError(404, f"no route {self.path}", "not_found_error")
+                    body = self.read_json()
+                    check_body(kind, body, {model_id, server.info.get("model")})
+                except RequestError as e:
+                    return self.error(e)
+                job = Job(kind, body, bool(body.get("stream")), model=model_id)
+                server.jobs.put(job)
+                if job.stream:
+                    self.stream(job)
+                else:
+                    self.collect(job)
+
+            def read_json(self):
+                try:
+                    size = int(self.headers.get("Content-Length", "0"))
+                except ValueError:
+                    raise RequestError(400, "bad Content-Length") from None
+                if size > MAX_BODY_BYTES:
+                    self.close_connection = True
+                    if size <= DRAIN_BYTES:  # read it, so the client is not cut off mid-send
+                        while size > 0:
+                            size -= len(self.rfile.read(min(size, 1 << 20)) or b"x" * size)
+                    raise RequestError(413, f"the body is over {MAX_BODY_BYTES} bytes")
+                try:
+                    return json.loads(self.rfile.read(size) or b"null")
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise RequestError(400, f"the body is not valid JSON: {e}") from None
+
+            def reply(self, status: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def error(self, e: RequestError) -> None:
+                self.reply(e.status, {"error": {"message": str(e), "type": e.kind, "code": None}})
+
+            def collect(self, job: Job) -> None:
+                parts = []
+                while (item := job.chunks.get()) is not END:
+                    if isinstance(item, RequestError):
+                        return self.error(item)
+                    parts.append(item)
+                self.reply(200, completion_body(job, "".join(parts), job.result))
+
+            def stream(self, job: Job) -> None:
+                first = job.chunks.get()
+                if isinstance(first, RequestError):
+                    return self.error(first)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                item = first
+                try:
+                    if job.kind == "chat":
+                        self.event(chunk_body(job, {"role": "assistant", "content": ""}))
+                    while item is not END:
+                        self.event(chunk_body(job, item))
+                        item = job.chunks.get()
+                    self.event(chunk_body(job, None, job.result["finish_reason"]))
+                    options = job.body.get("stream_options") or {}
+                    if options.get("include_usage"):
+                        self.event(chunk_body(job, None, usage=job.result["usage"]))
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):  # the client went away
+                    job.cancel.set()
+                    while item is not END:
+                        item = job.chunks.get()
+
+            def event(self, payload: dict) -> None:
+                self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+                self.wfile.flush()
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True, name="http").start()
+
+    def authorized(self, handler) -> bool:
+        if self.api_key is None:
+            return True
+        given = handler.headers.get("Authorization", "")
+        if secrets.compare_digest(given, f"Bearer {self.api_key}"):
+            return True
+        handler.error(RequestError(401, "missing or wrong API key", "authentication_error"))
+        return False
+
+
+def completion_body(job: Job, text: str, result: dict) -> dict:
+    if job.kind == "chat":
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": result["finish_reason"],
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": result["finish_reason"]}
+        obj = "text_completion"
+    return {
+        "id": ("chatcmpl-" if job.kind == "chat" else "cmpl-") + job.id,
+        "object": obj,
+        "created": job.created,
+        "model": job.model,
+        "choices": [choice],
+        "usage": result["usage"],
+        "timings": result["timings"],
+    }
+
+
+def chunk_body(job: Job, delta, finish: str | None = None, usage: dict | None = None) -> dict:
+    if job.kind == "chat":
+        if isinstance(delta, str):
+            delta = {"content": delta}
+        choices = [] if usage else [{"index": 0, "delta": delta or {}, "finish_reason": finish}]
+        obj = "chat.completion.chunk"
+    else:
+        choices = [] if usage else [{"index": 0, "text": delta or "", "finish_reason": finish}]
+        obj = "text_completion"
+    body = {
+        "id": ("chatcmpl-" if job.kind == "chat" else "cmpl-") + job.id,
+        "object": obj,
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+    }
+    if usage:
+        body["usage"] = usage
+    return body
+
+
+def run_serve(loaded, group, spec: dict, emit) -> None:
+    """Every rank's loop: rank 0 takes the next job, everyone decodes it; never returns on its
+    own (the launcher stops the ranks)."""
+    from .generate import generate
+    from .sampling import settings
+    from .share import share_object
+
+    rank0 = group.rank() == 0
+    server = None
+    if rank0:
+        options = spec["serve"]
+        model_id = Path(spec["model"]).name if Path(spec["model"]).exists() else spec["model"]
+        info = {"model": model_id, "mode": spec["mode"], "ranks": group.size()}
+        try:
+            server = Server(
+                options["host"], options["port"], model_id, info, options.get("api_key")
+            )
+        except OSError as e:
+            from cluster.modelcheck import ModelError
+
+            share_object({"error": f"cannot listen on {options['host']}:{options['port']}"}, group)
+            raise ModelError(
+                f"cannot listen on {options['host']}:{options['port']} ({e.strerror}); "
+                "pass another --port"
+            ) from None
+        host, port = server.httpd.server_address[:2]
+        emit("notice", message=f"serving {model_id} on http://{host}:{port}/v1")
+    while True:
+        job = request = None
+        if rank0:
+            while request is None:
+                job = server.jobs.get()
+                try:
+                    tokens = prompt_of(job, loaded.tokenizer)
+                    if not tokens:
+                        raise RequestError(400, "the prompt is empty after tokenization")
+                    request = {"tokens": tokens, **settings(request_options(job.body))}
+                except RequestError as e:
+                    job.chunks.put(e)
+                except Exception as e:  # a template that cannot render these messages
+                    job.chunks.put(RequestError(400, f"cannot build the prompt: {e}"))
+        request = share_object(request, group)
+        if "error" in request:
+            from .share import PeerFailed
+
+            raise PeerFailed(f"rank 0 failed: {request['error']}")
+        answer = generate(
+            loaded.model,
+            loaded.tokenizer,
+            request,
+            job.chunks.put if rank0 else None,
+            group,
+            cancelled=job.cancel.is_set if rank0 else None,
+        )
+        if rank0:
+            job.result = answer.stats
+            job.chunks.put(END)
+            emit("stats", **answer.stats)

@@ -1,0 +1,204 @@
+"""`mlx-cluster serve`, driven with the official openai client."""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import CLI, rank_pids
+from matrix import reference
+
+openai = pytest.importorskip("openai")
+
+PROMPT = "Tell me about lists"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    def __init__(self, model_dir, *args, env=None):
+        self.port = free_port()
+        before = set(rank_pids())
+        self.proc = subprocess.Popen(
+            [CLI, "serve", "--model", str(model_dir), "--port", str(self.port), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.log: list[str] = []
+        for line in self.proc.stderr:  # until rank 0 listens
+            self.log.append(line)
+            if "serving" in line:
+                break
+        else:
+            raise AssertionError("".join(self.log))
+        self.pids = set(rank_pids()) - before
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+        self.client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0
+        )
+
+    def post(self, path: str, body: bytes, headers=None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request("POST", path, body, {"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+
+    def stop(self) -> int:
+        """Ctrl-C; the exit code, once none of this server's ranks is left."""
+        self.proc.send_signal(signal.SIGINT)
+        code = self.proc.wait(60)
+        assert not self.pids & set(rank_pids()), "rank processes left running"
+        return code
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tiny import make_model
+
+    model = make_model(tmp_path_factory.mktemp("serve") / "m", "qwen2", seed=2, chat_template=True)
+    served = Served(model)
+    served.model = model
+    yield served
+    served.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_stray_ranks():  # the server's ranks live for the whole module; checked at its end
+    yield
+
+
+def chat_reference(model_dir, max_tokens: int) -> str:
+    return reference(model_dir, PROMPT, max_tokens)  # the chat template, greedy
+
+
+def ask(client, max_tokens=16, **kw):
+    return client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=max_tokens,
+        temperature=0,
+        **kw,
+    )
+
+
+def test_chat_completion(server):
+    r = ask(server.client)
+    assert r.choices[0].message.content == chat_reference(server.model, 16)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 16
+    assert r.model == "m"
+
+
+def test_streaming_with_usage(server):
+    chunks = list(ask(server.client, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat_reference(server.model, 16)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_completions_endpoint_and_models(server):
+    r = server.client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
+    from mlx_lm import generate, load
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = load(str(server.model))
+    expected = generate(
+        model, tokenizer, tokenizer.encode(PROMPT), max_tokens=8, sampler=make_sampler(0.0)
+    )
+    assert r.choices[0].text == expected
+    assert [m.id for m in server.client.models.list().data] == ["m"]
+
+
+def test_eight_concurrent_streams_each_get_the_lone_answer(server):
+    expected = chat_reference(server.model, 24)
+
+    def one(_):
+        stream = ask(server.client, max_tokens=24, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(one, range(8)))
+    assert texts == [expected] * 8
+
+
+def test_client_that_leaves_frees_the_server(server):
+    stream = ask(server.client, max_tokens=100_000, stream=True)
+    for n, _ in enumerate(stream):
+        if n == 3:
+            break
+    stream.close()  # the connection goes away mid-answer
+    r = ask(server.client, max_tokens=8, timeout=60)  # served at once, not after 100k tokens
+    assert r.choices[0].message.content == chat_reference(server.model, 8)
+    assert any("(cancelled)" in line for line in server.log)
+
+
+def test_bad_requests_get_openai_errors_and_the_ranks_go_on(server):
+    status, body = server.post("/v1/chat/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = server.post("/v1/chat/completions", b'{"messages": "hi"}')
+    assert status == 400 and "'messages'" in body["error"]["message"]
+    status, body = server.post(
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": "7"}).encode(),
+    )
+    assert status == 400 and "'max_tokens'" in body["error"]["message"]
+    status, body = server.post("/v1/chat/completions", b"x" * (5 * 1024 * 1024))
+    assert status == 413
+    with pytest.raises(openai.NotFoundError):
+        server.client.chat.completions.create(
+            model="other", messages=[{"role": "user", "content": "x"}]
+        )
+    assert ask(server.client).choices[0].message.content == chat_reference(server.model, 16)
+
+
+def test_many_mixed_requests(server):
+    def one(i):
+        if i % 3 == 0:
+            return server.post("/v1/chat/completions", b"[]")[0]
+        r = ask(server.client, max_tokens=4, stream=bool(i % 2))
+        if i % 2:
+            list(r)
+        return 200
+
+    with ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(one, range(60)))
+    assert statuses.count(400) == 20 and statuses.count(200) == 40
+    assert server.proc.poll() is None
+
+
+def test_api_key(tmp_path):
+    from tiny import make_model
+
+    model = make_model(tmp_path / "m", "llama", seed=1)
+    served = Served(model, "-n", "1", env={"MLX_CLUSTER_API_KEY": "s3cret"})
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            served.client.models.list()
+        keyed = openai.OpenAI(base_url=served.client.base_url, api_key="s3cret", max_retries=0)
+        assert keyed.models.list().data[0].id == "m"
+        assert not any("s3cret" in line for line in served.log)
+    finally:
+        assert served.stop() == 130
+
+
+def test_sigint_stops_every_rank(tmp_path):
+    from tiny import make_model
+
+    model = make_model(tmp_path / "m", "llama", seed=1)
+    served = Served(model, "-n", "3")
+    assert len(served.pids) == 3
+    assert served.stop() == 130
+    assert "stopped by SIGINT; all ranks stopped" in "".join(served.log)
