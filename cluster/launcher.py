@@ -23,9 +23,16 @@ from typing import IO, Any
 
 from .backends import port_in_use, rank_envs, ring_ports
 from .hostfile import Hostfile
-from .modelcheck import ModelError, check_shardable, choose_split, looks_like_repo, read_config
+from .modelcheck import (
+    ModelError,
+    check_request,
+    check_shardable,
+    choose_split,
+    looks_like_repo,
+    read_config,
+)
 from .process import LocalRank, RankLaunch, make_job_dir, rank_python
-from .protocol import decode_event
+from .protocol import CANCEL, decode_event
 
 EXIT_PEER_FAILED = 3  # a rank that stopped because rank 0 failed (see node.__main__)
 TAIL_LINES = 15
@@ -126,23 +133,10 @@ def preflight(hostfile: Hostfile, options: JobOptions) -> list[int] | None:
         return options.split
     config = read_config(path)
     check_shardable(config, options.mode, n)
-    check_request(config, options)
+    check_request(config, options.command, options.image is not None, options.model)
     if options.mode != "pipeline":
         return None
     return choose_split(config, n, options.split, split_weights(hostfile))
-
-
-def check_request(config: dict, options: JobOptions) -> None:
-    """What the request asks of the model: an image needs a vision model, logits a text one."""
-    vision = "vision_config" in config
-    if options.image is not None and not vision:
-        raise ModelError(
-            f"--image needs a vision-language model; {options.model} is text-only "
-            "(its config.json has no vision_config)"
-        )
-    if options.command in ("logits", "chat", "serve") and vision:
-        what = "--logits" if options.command == "logits" else options.command
-        raise ModelError(f"{what} is for text models; this is a vision-language model")
 
 
 def check_ports(hostfile: Hostfile, launches: list[RankLaunch]) -> None:
@@ -349,7 +343,7 @@ class Job:
         _on_event(event, state, self.result)
         kind = event["event"]
         if kind == "stats":
-            ttft = self.result.first_token_s if self.options.command != "chat" else None
+            ttft = self.result.first_token_s if self.options.command == "generate" else None
             log(self.stderr, _stats_line(event, ttft))
         elif kind == "notice":
             log(self.stderr, event.get("message", ""))
@@ -658,7 +652,6 @@ def _silence_stdout(stdout) -> None:
         os.close(devnull)
 
 
-CANCEL = b"\x03"  # to rank 0's stdin: Ctrl-C in chat ends the current answer (node/chat.py)
 QUIT_WINDOW_S = 2.0  # a second Ctrl-C within this ends the chat session
 
 

@@ -66,6 +66,25 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, **config.get("text_config", {})}
 
 
+def is_vision_model(config: dict[str, Any]) -> bool:
+    """A vision-language checkpoint (mlx-vlm): its config nests a vision_config."""
+    return "vision_config" in config
+
+
+def check_request(config: dict[str, Any], command: str, image: bool, name: str) -> None:
+    """What a job asks of the model: an image needs a vision model; logits, chat and serve a
+    text one. Run by the launcher when it can read the config, and by rank 0 always."""
+    vision = is_vision_model(config)
+    if image and not vision:
+        raise ModelError(
+            f"--image needs a vision-language model; {name} is text-only "
+            "(its config.json has no vision_config)"
+        )
+    if command in ("logits", "chat", "serve") and vision:
+        what = "--logits" if command == "logits" else command
+        raise ModelError(f"{what} is for text models; this is a vision-language model")
+
+
 def check_shardable(config: dict[str, Any], mode: str, num_ranks: int) -> None:
     """Raise ModelError when ``num_ranks`` cannot split this model in ``mode``; name the numbers."""
     if mode not in MODES:
@@ -81,7 +100,7 @@ def check_shardable(config: dict[str, Any], mode: str, num_ranks: int) -> None:
                 f"layers but {num_ranks} ranks were asked for; use at most {layers} ranks"
             )
         return
-    if "vision_config" in config:
+    if is_vision_model(config):
         raise ModelError(
             f"vision model {config.get('model_type')!r}: mlx-cluster shards vision-language "
             "models in pipeline mode only; use --mode pipeline"

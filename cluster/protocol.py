@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 EVENT_PREFIX = "\x1emlx-cluster "
+CANCEL = b"\x03"  # launcher -> rank 0's stdin: Ctrl-C in chat, end the current answer
 
 
 def encode_event(kind: str, **fields: Any) -> str:

@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 
-from cluster.modelcheck import ModelError
+from cluster.modelcheck import ModelError, check_request
 from cluster.protocol import encode_event
 
 from .share import PeerFailed
@@ -86,8 +86,8 @@ def run(spec: dict) -> None:
     command = spec.get("command", "generate")
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}")
-    if command in ("logits", "chat", "serve") and loaded.processor is not None:  # all alike
-        raise ModelError(f"{command} is for text models; this is a vision-language model")
+    if command in ("chat", "serve"):  # every rank alike; one-shot jobs check on rank 0
+        check_request(loaded.config, command, False, repr(loaded.config["model_type"]))
     if command == "serve":
         from .serve import run_serve
 
@@ -103,7 +103,7 @@ def run(spec: dict) -> None:
     request = None
     if rank == 0:
         try:
-            request = make_job_request(loaded, spec["request"])
+            request = make_job_request(loaded, spec["request"], command)
         except Exception as e:  # tell the other ranks before failing, so none waits forever
             share_object({"error": f"{type(e).__name__}: {e}"}, group)
             raise
@@ -138,7 +138,7 @@ def emit_memory() -> None:
     emit("memory", peak_memory_gb=mx.get_peak_memory() / 1e9)
 
 
-def make_job_request(loaded, r: dict) -> dict:
+def make_job_request(loaded, r: dict, command: str) -> dict:
     """Rank 0's request for this model: tokens for a text model; for a VLM, the templated
     prompt and the image bytes (every rank runs the processor on them)."""
     from .generate import make_request
@@ -146,12 +146,8 @@ def make_job_request(loaded, r: dict) -> dict:
     from .vlm import make_vlm_request
 
     image = base64.b64decode(r["image_b64"]) if r.get("image_b64") else None
+    check_request(loaded.config, command, image is not None, repr(loaded.config["model_type"]))
     if loaded.processor is None:
-        if image is not None:
-            raise ModelError(
-                f"--image needs a vision-language model; {loaded.config.get('model_type')!r} "
-                "is text-only (its config.json has no vision_config)"
-            )
         return make_request(loaded.tokenizer, r)
     return make_vlm_request(loaded.processor, loaded.model.config, r["prompt"], image, settings(r))
 

@@ -18,7 +18,10 @@ from typing import IO
 
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-CANCEL = b"\x03"  # the launcher writes this to rank 0's stdin on Ctrl-C: end this answer
+from cluster.protocol import CANCEL
+
+from .stage import SkippedCache
+
 DEFAULT_CACHE_GB = 4.0
 COMMANDS_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) ends the session"
 
@@ -113,9 +116,10 @@ class TurnCache:
 
 
 def _offset(cache: list) -> int | None:
+    """Tokens the cache holds (a layer this rank runs; None if no cache says)."""
     for c in cache:
         offset = getattr(c, "offset", None)
-        if isinstance(offset, int) and getattr(c, "state", None) != []:
+        if isinstance(offset, int) and not isinstance(c, SkippedCache):
             return offset
     return None
 
@@ -195,6 +199,7 @@ def run_chat(loaded, group, spec: dict, emit: Callable, write: Callable[[str], N
             prompt_cache=prompt_cache,
             feed=feed,
             cancelled=inp.cancel.is_set if rank0 else None,
+            cancellable=True,
         )
         cache.done(request["tokens"], answer.tokens)
         if rank0:

@@ -64,10 +64,13 @@ def generate(
     prompt_cache: list | None = None,
     feed: list[int] | None = None,
     cancelled: Callable[[], bool] | None = None,
+    cancellable: bool = False,
 ) -> Answer:
     """Decode ``request`` (identical on every rank); ``write`` gets text segments on rank 0.
 
-    With ``prompt_cache`` (holding the start of the prompt), only ``feed`` is prefilled."""
+    With ``prompt_cache`` (holding the start of the prompt), only ``feed`` is prefilled.
+    ``cancellable`` (chat, serve: the same on every rank) says rank 0 may cancel the answer;
+    ``cancelled`` is how rank 0 learns it."""
     mx.random.seed(request["seed"])
     feed = request["tokens"] if feed is None else feed
     responses = stream_generate(
@@ -89,6 +92,7 @@ def generate(
         generation_stream,
         rewrite=normalizer(tokenizer),
         opening=opening,
+        cancellable=cancellable,
     )
 
 
@@ -136,18 +140,22 @@ def stream(
     gen_stream=None,
     rewrite: Rewrite | None = None,
     opening: str = "",
+    cancellable: bool = False,
 ) -> Answer:
     """Hand each response's text to ``write`` (rank 0) and return the answer.
 
     Rank 0 alone sees the text and the user, so it alone decides to stop (a stop string, or
     ``cancelled()``: Ctrl-C in chat); every STOP_CHECK_EVERY tokens all ranks agree on it
     through ``rank0_stopped`` and leave the loop at the same token (they cannot stop alone: the
-    next token needs every rank). ``rewrite`` normalises reasoning markers before the stop
-    strings are looked for; ``opening`` (a ``<think>`` the template opened) starts the text.
+    next token needs every rank). The check (a stream sync and an all_sum) runs only when rank 0
+    can stop early at all: stop strings, or ``cancellable``. ``rewrite`` normalises reasoning
+    markers before the stop strings are looked for; ``opening`` (a ``<think>`` the template
+    opened) starts the text.
     mlx-lm's and mlx-vlm's responses carry the same fields."""
     text = StopText(stops or [])
     rewrite = rewrite or Rewrite({})
     distributed = group is not None and group.size() > 1
+    agree = distributed and (bool(stops) or cancellable)  # derived from what every rank has
     start = time.perf_counter()
     first = last = None
     stopped_at = None  # tokens generated when rank 0 decided to stop
@@ -171,7 +179,7 @@ def stream(
                 stopped_at = response.generation_tokens
             elif cancelled is not None and cancelled():
                 stopped_at, reason = response.generation_tokens, "cancelled"
-        if distributed and n % STOP_CHECK_EVERY == 0:
+        if agree and n % STOP_CHECK_EVERY == 0:
             if rank0_stopped(stopped_at is not None, group, gen_stream):
                 break
         elif not distributed and stopped_at is not None:

@@ -24,13 +24,14 @@ from cluster.modelcheck import (
     ModelError,
     check_shardable,
     choose_split,
+    is_vision_model,
     looks_like_repo,
     num_layers,
     read_config,
 )
 
 from .stage import apply_stages, pipeline_range
-from .vlm import VLM_LAYER_RE, is_vlm, load_vlm
+from .vlm import VLM_LAYER_RE, load_vlm
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 META_PATTERNS = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jsonl", "*.jinja"]
@@ -168,7 +169,7 @@ def load_shard(
     model_dir = resolve_model(ref, META_PATTERNS)
     config = read_config(model_dir, require_weights=not looks_like_repo(ref))
     check_shardable(config, mode, size)
-    vlm = is_vlm(config)
+    vlm = is_vision_model(config)
     layer_re = VLM_LAYER_RE if vlm else LAYER_RE
 
     layers = None

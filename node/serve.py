@@ -352,6 +352,7 @@ def run_serve(loaded, group, spec: dict, emit) -> None:
             job.chunks.put if rank0 else None,
             group,
             cancelled=job.cancel.is_set if rank0 else None,
+            cancellable=True,
         )
         if rank0:
             job.result = answer.stats

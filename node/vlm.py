@@ -21,10 +21,6 @@ import mlx.core as mx
 VLM_LAYER_RE = re.compile(r"^language_model\.(?:model\.)?layers\.(\d+)\.")
 
 
-def is_vlm(config: dict) -> bool:
-    return "vision_config" in config
-
-
 def load_vlm(view: Path, model_dir: Path):
     """The lazily loaded mlx-vlm model (from the weight files in ``view``) and its processor."""
     from mlx_vlm.utils import load_image_processor, load_model, load_processor
@@ -88,5 +84,6 @@ def generate_vlm(
         min_p=request["min_p"],
         repetition_penalty=request["repetition_penalty"],
         presence_penalty=request["presence_penalty"],
+        frequency_penalty=request["frequency_penalty"],
     )
     return stream(responses, write, request["stop"], group, gen_stream=generation_stream).stats
