@@ -437,12 +437,38 @@ def chat(hostfile, num_ranks, backend, model, stop, **job):
     help="Require 'Authorization: Bearer KEY' (better: set MLX_CLUSTER_API_KEY, which keeps "
     "it out of the process list).",
 )
+@click.option(
+    "--decode-concurrency",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Most requests decoded together in one batch (more wait their turn).",
+)
+@click.option(
+    "--prompt-concurrency",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Most prompts prefilled together.",
+)
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="On Ctrl-C or SIGTERM, the longest wait (s) for answers under way before they are cut.",
+)
 def serve(hostfile, num_ranks, backend, model, **job):
     """Serve the model with an OpenAI-compatible API on rank 0 until Ctrl-C.
 
     Endpoints: GET /v1/models, GET /health, POST /v1/chat/completions and /v1/completions
-    (streaming with SSE, or not). Requests from many clients are queued and decoded one at a
-    time on every rank; a client that disconnects mid-stream cancels its answer on every rank.
+    (streaming with SSE, or not). Concurrent requests are decoded together as one batch, in
+    lockstep on every rank (continuous batching: a request joins or leaves between steps); a
+    request with a seed, or a model whose caches cannot be batched, is decoded alone. A client
+    that disconnects mid-stream cancels its answer on every rank.
+
+    Ctrl-C or SIGTERM drains: new requests get 503, answers under way finish (cut after
+    --drain-timeout), then every rank exits (exit 0). A second Ctrl-C stops at once (exit 130).
 
     \b
     Examples:

@@ -32,7 +32,7 @@ from .modelcheck import (
     read_config,
 )
 from .process import LocalRank, RankLaunch, make_job_dir, rank_python
-from .protocol import CANCEL, decode_event
+from .protocol import CANCEL, DRAIN, decode_event
 
 EXIT_PEER_FAILED = 3  # a rank that stopped because rank 0 failed (see node.__main__)
 TAIL_LINES = 15
@@ -74,6 +74,9 @@ class JobOptions:
     serve_host: str = "127.0.0.1"  # serve: where rank 0 listens
     serve_port: int = 8080
     api_key: str | None = None  # serve: clients must send it; travels in rank 0's spec file
+    drain_timeout: float = 30.0  # serve: on SIGINT/SIGTERM, longest wait for answers under way
+    decode_concurrency: int = 32  # serve: most requests decoded together
+    prompt_concurrency: int = 8  # serve: most prompts prefilled together
     verbose: bool = False
     starting_port: int | None = None
     connections_per_ip: int = 1
@@ -170,6 +173,9 @@ def job_spec(
             "host": options.serve_host,
             "port": options.serve_port,
             "api_key": options.api_key,
+            "drain_timeout": options.drain_timeout,
+            "decode_concurrency": options.decode_concurrency,
+            "prompt_concurrency": options.prompt_concurrency,
         }
     if rank == 0:  # the prompt goes only where it is needed
         spec["request"] = {
@@ -208,7 +214,8 @@ def plan(hostfile: Hostfile, options: JobOptions) -> list[RankLaunch]:
             spec=job_spec(options, len(envs), e.rank, split_weights(hostfile)),
             cwd=e.host.cwd,
             extra_env=hostfile.env,
-            stdin=options.forward_stdin and e.rank == 0,
+            # chat: our stdin goes on; serve: the drain request travels on it
+            stdin=(options.forward_stdin or options.command == "serve") and e.rank == 0,
         )
         for e in envs
     ]
@@ -284,6 +291,7 @@ class Job:
         self.result = JobResult(exit_code=0)
         self.wrote_newline = True
         self.ready = 0
+        self.drained = False  # serve: rank 0 was asked to drain (it then ends the job)
 
     def run(self) -> None:
         """Start every rank and follow them to the end; raise LaunchError on any failure."""
@@ -444,7 +452,28 @@ def run_job(
         log(stderr, f"answer cancelled; Ctrl-C again within {QUIT_WINDOW_S:g} s ends the chat")
         return True
 
-    previous = _trap_signals(cancel_answer if options.command == "chat" else None)
+    def drain() -> bool:
+        """Serve: tell rank 0 to finish the answers under way and quit; False if it cannot."""
+        if job is None:
+            return False
+        try:
+            job.ranks[0].write_stdin(DRAIN)
+        except (OSError, ValueError, EOFError):
+            return False
+        job.drained = True
+        log(
+            stderr,
+            f"draining: finishing the answers under way (at most {options.drain_timeout:g} s); "
+            "Ctrl-C again stops now",
+        )
+        return True
+
+    if options.command == "chat":
+        previous = _trap_signals(cancel_answer)
+    elif options.command == "serve":
+        previous = _trap_signals(drain, once=True, signals=(signal.SIGINT, signal.SIGTERM))
+    else:
+        previous = _trap_signals()
     try:
         ranks, clients = open_ranks(hostfile, launches, job_dir, options.accept_new_host_keys)
         job = Job(ranks, options, stdout, stderr, started, stdin)
@@ -456,6 +485,8 @@ def run_job(
         if split:
             log(stderr, f"pipeline split, layers per rank: {','.join(map(str, split))}")
         job.run()
+        if job.drained:
+            log(stderr, "drained; all ranks stopped")
     except Interrupted as e:
         if job is not None:
             job.stop_all()
@@ -655,14 +686,16 @@ def _silence_stdout(stdout) -> None:
 QUIT_WINDOW_S = 2.0  # a second Ctrl-C within this ends the chat session
 
 
-def _trap_signals(cancel=None):
-    """SIGINT/TERM/HUP end the job (Interrupted). With ``cancel`` (chat), a first Ctrl-C calls
-    it instead and a second one within QUIT_WINDOW_S ends the job."""
+def _trap_signals(cancel=None, once: bool = False, signals=(signal.SIGINT,)):
+    """SIGINT/TERM/HUP end the job (Interrupted). With ``cancel``, one of ``signals`` calls it
+    instead: in chat a Ctrl-C ends the answer and a second one within QUIT_WINDOW_S ends the
+    job; with ``once`` (serve: the drain) any later signal ends the job."""
     last_cancel = [float("-inf")]
 
     def handler(signum, frame):
         now = time.monotonic()
-        if cancel is not None and signum == signal.SIGINT and now - last_cancel[0] > QUIT_WINDOW_S:
+        fresh = now - last_cancel[0] > QUIT_WINDOW_S and not (once and last_cancel[0] > 0)
+        if cancel is not None and signum in signals and fresh:
             last_cancel[0] = now
             if cancel():
                 return

@@ -11,6 +11,7 @@ from typing import Any
 
 EVENT_PREFIX = "\x1emlx-cluster "
 CANCEL = b"\x03"  # launcher -> rank 0's stdin: Ctrl-C in chat, end the current answer
+DRAIN = b"\x04"  # launcher -> rank 0's stdin: SIGINT/SIGTERM in serve, finish and quit
 
 
 def encode_event(kind: str, **fields: Any) -> str:

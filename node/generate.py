@@ -131,6 +131,40 @@ def rank0_stopped(stopped: bool, group, gen_stream) -> bool:
     return flag.item() > 0
 
 
+class AnswerText:
+    """Rank 0's text of one answer as the client sees it: reasoning markers normalised, stop
+    strings looked for after that, a ``<think>`` the template opened shown first. One per
+    answer, for the sequential stream and the batch alike."""
+
+    def __init__(self, stops: list[str], rewrite: Rewrite | None = None, opening: str = ""):
+        self.stop = StopText(stops)
+        self.rewrite = rewrite or Rewrite({})
+        self.parts: list[str] = []
+        self.opening = opening
+
+    def start(self) -> str:
+        """What to show before the first token."""
+        self.parts.append(self.opening)
+        return self.opening
+
+    def feed(self, segment: str) -> tuple[str, bool]:
+        """(text to show now, whether a stop string was reached)."""
+        shown, hit = self.stop.feed(self.rewrite.feed(segment))
+        self.parts.append(shown)
+        return shown, hit
+
+    def finish(self) -> str:
+        """What is left to show once the model has stopped on its own."""
+        rest, hit = self.stop.feed(self.rewrite.flush())
+        rest += "" if hit else self.stop.flush()
+        self.parts.append(rest)
+        return rest
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
 def stream(
     responses: Iterable[Any],
     write: Callable[[str], None] | None,
@@ -152,29 +186,25 @@ def stream(
     markers before the stop strings are looked for; ``opening`` (a ``<think>`` the template
     opened) starts the text.
     mlx-lm's and mlx-vlm's responses carry the same fields."""
-    text = StopText(stops or [])
-    rewrite = rewrite or Rewrite({})
+    text = AnswerText(stops or [], rewrite, opening)
     distributed = group is not None and group.size() > 1
     agree = distributed and (bool(stops) or cancellable)  # derived from what every rank has
     start = time.perf_counter()
     first = last = None
     stopped_at = None  # tokens generated when rank 0 decided to stop
     reason = "stop"
-    shown_text: list[str] = []
     tokens: list[int] = []
     if write is not None and opening:
-        write(opening)
-        shown_text.append(opening)
+        write(text.start())
     for n, response in enumerate(responses, start=1):
         if first is None:
             first = time.perf_counter()
         last = response
         tokens.append(response.token)
         if stopped_at is None and write is not None:
-            shown, hit = text.feed(rewrite.feed(response.text))
+            shown, hit = text.feed(response.text)
             if shown:
                 write(shown)
-                shown_text.append(shown)
             if hit:
                 stopped_at = response.generation_tokens
             elif cancelled is not None and cancelled():
@@ -185,29 +215,39 @@ def stream(
         elif not distributed and stopped_at is not None:
             break
     else:
-        if write is not None and stopped_at is None:
-            rest, hit = text.feed(rewrite.flush())
-            rest += "" if hit else text.flush()
-            if rest:
-                write(rest)
-                shown_text.append(rest)
+        if write is not None and stopped_at is None and (rest := text.finish()):
+            write(rest)
     # the generator may have a step in flight; let it finish before any other collective
     mx.synchronize(gen_stream)
     if last is None:
         raise RuntimeError("the model produced no response")
     generated = stopped_at or last.generation_tokens
     finish = reason if stopped_at else last.finish_reason
-    stats = answer_stats(last, generated, finish, (first - start) if first else None)
-    return Answer("".join(shown_text), tokens, stats)
-
-
-def answer_stats(last, generated: int, finish: str | None, ttft: float | None) -> dict:
-    """usage and timings in the shape llama-server reports them."""
-    prompt_n = last.prompt_tokens
-    prompt_ms = 1000 * prompt_n / last.prompt_tps if last.prompt_tps else 0.0
-    predicted_ms = (
-        1000 * last.generation_tokens / last.generation_tps if last.generation_tps else 0.0
+    stats = answer_stats(
+        last.prompt_tokens,
+        last.prompt_tps,
+        last.generation_tokens,
+        last.generation_tps,
+        generated,
+        finish,
+        (first - start) if first else None,
     )
+    return Answer(text.text, tokens, stats)
+
+
+def answer_stats(
+    prompt_n: int,
+    prompt_tps: float,
+    decoded: int,
+    generation_tps: float,
+    generated: int,
+    finish: str | None,
+    ttft: float | None,
+) -> dict:
+    """usage and timings in the shape llama-server reports them. ``decoded`` tokens ran at
+    ``generation_tps``; ``generated`` of them count for the answer (not those after a stop)."""
+    prompt_ms = 1000 * prompt_n / prompt_tps if prompt_tps else 0.0
+    predicted_ms = 1000 * decoded / generation_tps if generation_tps else 0.0
     return {
         "finish_reason": finish,
         "usage": {
@@ -218,10 +258,10 @@ def answer_stats(last, generated: int, finish: str | None, ttft: float | None) -
         "timings": {
             "prompt_n": prompt_n,
             "prompt_ms": prompt_ms,
-            "prompt_per_second": last.prompt_tps,
+            "prompt_per_second": prompt_tps,
             "predicted_n": generated,
             "predicted_ms": predicted_ms,
-            "predicted_per_second": last.generation_tps,
+            "predicted_per_second": generation_tps,
             "cache_n": 0,
         },
         "time_to_first_token_s": ttft,

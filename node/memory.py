@@ -34,3 +34,10 @@ def apply_metal_limits() -> int | None:
     mx.set_memory_limit(limit)
     atexit.register(mx.set_wired_limit, previous)
     return limit
+
+
+def reapply_wired_limit() -> None:
+    """mlx-lm's BatchGenerator sets the wired limit to the whole recommended working set when
+    it starts; put ours back."""
+    if mx.metal.is_available() and (limit := metal_limits(mx.device_info())) is not None:
+        mx.set_wired_limit(limit)

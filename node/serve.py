@@ -15,10 +15,15 @@ import queue
 import secrets
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from .generate import AnswerText, answer_stats
+from .reasoning import THINK_OPEN, normalizer, opens_in_thought
+from .sampling import settings
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 DRAIN_BYTES = 64 * 1024 * 1024  # a larger body is refused without reading it
@@ -33,6 +38,9 @@ SAMPLING_FIELDS = {  # OpenAI field -> (our setting, accepted types)
     "repetition_penalty": ("repetition_penalty", (int, float)),
 }
 DEFAULT_MAX_TOKENS = 512
+PING_S = 2.0  # an idle rank 0 shows every rank it is still there this often
+DRAIN_TIMEOUT_S = 30.0  # a drain cancels what is still being decoded after this
+STALE_S = 60.0  # /health says "stalled" when the ranks have not met for this long
 
 
 class RequestError(ValueError):
@@ -133,10 +141,13 @@ class Server:
     """Rank 0's HTTP side: a queue of jobs for the main thread."""
 
     def __init__(self, host: str, port: int, model_id: str, info: dict, api_key: str | None):
-        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.jobs: queue.Queue[Job | None] = queue.Queue()  # None wakes the main thread
         self.model_id = model_id
         self.info = info
         self.api_key = api_key
+        self.draining = threading.Event()  # no new requests; quit once the last one is done
+        self.drain_timeout = DRAIN_TIMEOUT_S
+        self.last_contact = time.monotonic()  # when every rank last met in a collective
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -152,7 +163,8 @@ class Server:
                     data = [{"id": model_id, "object": "model", "owned_by": "mlx-cluster"}]
                     self.reply(200, {"object": "list", "data": data})
                 elif self.path.rstrip("/") == "/health":
-                    self.reply(200, {"status": "ok", **server.info})
+                    health = server.health()
+                    self.reply(200 if health["status"] == "ok" else 503, health)
                 else:
                     self.error(RequestError(404, f"no route {self.path}", "not_found_error"))
 
@@ -168,6 +180,10 @@ class Server:
                     check_body(kind, body, {model_id, server.info.get("model")})
                 except RequestError as e:
                     return self.error(e)
+                if server.draining.is_set():
+                    return self.error(
+                        RequestError(503, "the server is shutting down", "server_error")
+                    )
                 job = Job(kind, body, bool(body.get("stream")), model=model_id)
                 server.jobs.put(job)
                 if job.stream:
@@ -246,6 +262,21 @@ class Server:
         self.httpd.daemon_threads = True
         threading.Thread(target=self.httpd.serve_forever, daemon=True, name="http").start()
 
+    def health(self) -> dict:
+        """Every rank took part in a collective ``last_contact_s`` ago (an idle server meets
+        every PING_S); a rank that is gone stops the whole job, so "ok" means all are up."""
+        since = time.monotonic() - self.last_contact
+        if self.draining.is_set():
+            status = "draining"
+        else:
+            status = "ok" if since < STALE_S else "stalled"
+        return {
+            "status": status,
+            **self.info,
+            "ranks_up": self.info["ranks"] if since < STALE_S else None,
+            "last_contact_s": round(since, 3),
+        }
+
     def authorized(self, handler) -> bool:
         if self.api_key is None:
             return True
@@ -254,6 +285,22 @@ class Server:
             return True
         handler.error(RequestError(401, "missing or wrong API key", "authentication_error"))
         return False
+
+
+def start_drain_listener(server: Server) -> None:
+    """The launcher asks for a drain by writing DRAIN to rank 0's stdin (on SIGINT/SIGTERM);
+    stdin closing (the launcher is gone) asks for one too."""
+    import sys
+
+    from cluster.protocol import DRAIN
+
+    def listen():
+        while (data := sys.stdin.buffer.read1(64)) and DRAIN not in data:
+            pass
+        server.draining.set()
+        server.jobs.put(None)
+
+    threading.Thread(target=listen, daemon=True, name="drain").start()
 
 
 def completion_body(job: Job, text: str, result: dict) -> dict:
@@ -299,17 +346,184 @@ def chunk_body(job: Job, delta, finish: str | None = None, usage: dict | None = 
     return body
 
 
+@dataclass
+class Live:
+    """Rank 0's view of one request in the batch."""
+
+    job: Job
+    detokenizer: Any
+    text: AnswerText
+    prompt_n: int
+    inserted: float
+    first: float | None = None
+    last: float | None = None
+    n: int = 0
+    done: bool = False
+
+
+class Scheduler:
+    """Rank 0's half of the lockstep batch: which requests join, which leave, and the text.
+
+    A request with a seed is decoded alone, as mlx-lm's server does: its tokens depend on the
+    random state, which a batch shares. So are all requests of a model whose caches cannot be
+    batched."""
+
+    def __init__(self, server: Server, tokenizer, emit, batched: bool):
+        self.server = server
+        self.tokenizer = tokenizer
+        self.emit = emit
+        self.batched = batched
+        self.waiting: deque[tuple[Job, dict]] = deque()
+        self.inserting: list[tuple[Job, dict]] = []  # in the order just shared
+        self.lives: dict[int, Live] = {}
+        self.removals: list[int] = []
+        self.drain_deadline: float | None = None
+
+    def take(self, job: Job | None) -> None:
+        """A job from the HTTP side into the waiting line, or its 4xx to the client."""
+        if job is None:  # a wake-up (drain)
+            return
+        try:
+            tokens = prompt_of(job, self.tokenizer)
+            if not tokens:
+                raise RequestError(400, "the prompt is empty after tokenization")
+            request = {"tokens": tokens, **settings(request_options(job.body))}
+            request["seeded"] = job.body.get("seed") is not None
+            self.waiting.append((job, request))
+        except RequestError as e:
+            job.chunks.put(e)
+        except Exception as e:  # a template that cannot render these messages
+            job.chunks.put(RequestError(400, f"cannot build the prompt: {e}"))
+
+    def order(self, live: int) -> dict | None:
+        """The next order for every rank: {} is a ping (nothing to do, all still here), None
+        means go on as before. Blocks while there is nothing to do."""
+        server = self.server
+        if not live and not self.waiting:
+            if server.draining.is_set():
+                return {"quit": True}
+            try:
+                self.take(server.jobs.get(timeout=PING_S))
+            except queue.Empty:
+                return {}
+        while True:
+            try:
+                self.take(server.jobs.get_nowait())
+            except queue.Empty:
+                break
+        self.cut_drain(live)
+        order: dict[str, Any] = {}
+        if self.removals:
+            order["remove"], self.removals = self.removals, []
+        insert = []
+        while self.waiting:
+            job, request = self.waiting[0]
+            if job.cancel.is_set():  # gone before it started
+                self.waiting.popleft()
+                job.chunks.put(END)
+                continue
+            if not self.batched or request["seeded"]:
+                if live or insert or order:
+                    break  # alone: once the batch is empty
+                self.waiting.popleft()
+                self.inserting = [(job, request)]
+                return {"single": request}
+            insert.append(request)
+            self.inserting.append(self.waiting.popleft())
+        if insert:
+            order["insert"] = insert
+        return order or None
+
+    def cut_drain(self, live: int) -> None:
+        """Draining past its deadline: what is still being decoded is cancelled."""
+        if not self.server.draining.is_set():
+            return
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.server.drain_timeout
+        if time.monotonic() < self.drain_deadline:
+            return
+        for uid, one in list(self.lives.items()):
+            self.finish(uid, one, "cancelled")
+        for job, _ in self.waiting:
+            job.chunks.put(RequestError(503, "the server is shutting down", "server_error"))
+        self.waiting.clear()
+
+    def bind(self, uids: list[int]) -> None:
+        now = time.perf_counter()
+        for uid, (job, request) in zip(uids, self.inserting, strict=True):
+            opening = THINK_OPEN if opens_in_thought(self.tokenizer, request["tokens"]) else ""
+            text = AnswerText(request["stop"], normalizer(self.tokenizer), opening)
+            if opening:
+                job.chunks.put(text.start())
+            self.lives[uid] = Live(
+                job, self.tokenizer.detokenizer, text, len(request["tokens"]), now
+            )
+        self.inserting = []
+
+    def on_token(self, r) -> None:
+        """One generated token of one request: its text to the client, its end if it ends."""
+        one = self.lives.get(r.uid)
+        if one is None:
+            return
+        now = time.perf_counter()
+        one.first = one.first or now
+        one.last, one.n = now, one.n + 1
+        if r.finish_reason != "stop":  # an end-of-sequence token has no text
+            one.detokenizer.add_token(r.token)
+        if r.finish_reason is not None:
+            one.detokenizer.finalize()
+        shown, hit = one.text.feed(one.detokenizer.last_segment)
+        if shown:
+            one.job.chunks.put(shown)
+        if hit:
+            self.finish(r.uid, one, "stop")
+        elif r.finish_reason is not None:
+            if rest := one.text.finish():
+                one.job.chunks.put(rest)
+            self.finish(r.uid, one, r.finish_reason, ended=True)
+        elif one.job.cancel.is_set():
+            self.finish(r.uid, one, "cancelled")
+
+    def finish(self, uid: int, one: Live, reason: str, ended: bool = False) -> None:
+        """The request's answer is complete; unless the generator ended it, every rank drops
+        it at the next order."""
+        del self.lives[uid]
+        if not ended:
+            self.removals.append(uid)
+        decode_s = (one.last - one.first) if one.last and one.first else 0.0
+        stats = answer_stats(
+            one.prompt_n,
+            one.prompt_n / (one.first - one.inserted) if one.first else 0.0,
+            one.n,
+            (one.n - 1) / decode_s if decode_s > 0 else 0.0,
+            one.n,
+            reason,
+            (one.first - one.inserted) if one.first else None,
+        )
+        one.job.result = stats
+        one.job.chunks.put(END)
+        self.emit("stats", **stats)
+
+    def single(self, answer) -> None:
+        job, _ = self.inserting.pop()
+        job.result = answer.stats
+        job.chunks.put(END)
+        self.emit("stats", **answer.stats)
+
+
 def run_serve(loaded, group, spec: dict, emit) -> None:
-    """Every rank's loop: rank 0 takes the next job, everyone decodes it; never returns on its
-    own (the launcher stops the ranks)."""
+    """Every rank's loop: rank 0 says what to do each round, every rank does it; returns once
+    rank 0 says quit (a drain ended)."""
+    import mlx.core as mx
+
+    from .batch import Lockstep, batchable
     from .generate import generate
-    from .sampling import settings
     from .share import share_object
 
     rank0 = group.rank() == 0
-    server = None
+    options = spec.get("serve") or {}
+    server = scheduler = None
     if rank0:
-        options = spec["serve"]
         model_id = Path(spec["model"]).name if Path(spec["model"]).exists() else spec["model"]
         info = {"model": model_id, "mode": spec["mode"], "ranks": group.size()}
         try:
@@ -324,37 +538,61 @@ def run_serve(loaded, group, spec: dict, emit) -> None:
                 f"cannot listen on {options['host']}:{options['port']} ({e.strerror}); "
                 "pass another --port"
             ) from None
-        host, port = server.httpd.server_address[:2]
-        emit("notice", message=f"serving {model_id} on http://{host}:{port}/v1")
-    while True:
-        job = request = None
-        if rank0:
-            while request is None:
-                job = server.jobs.get()
-                try:
-                    tokens = prompt_of(job, loaded.tokenizer)
-                    if not tokens:
-                        raise RequestError(400, "the prompt is empty after tokenization")
-                    request = {"tokens": tokens, **settings(request_options(job.body))}
-                except RequestError as e:
-                    job.chunks.put(e)
-                except Exception as e:  # a template that cannot render these messages
-                    job.chunks.put(RequestError(400, f"cannot build the prompt: {e}"))
-        request = share_object(request, group)
-        if "error" in request:
-            from .share import PeerFailed
+        server.drain_timeout = options.get("drain_timeout", DRAIN_TIMEOUT_S)
+        start_drain_listener(server)
+    # every rank: the same random state and the same decision to batch
+    setup = share_object({"seed": secrets.randbits(31)} if rank0 else None, group)
+    if "error" in setup:
+        from .share import PeerFailed
 
-            raise PeerFailed(f"rank 0 failed: {request['error']}")
-        answer = generate(
+        raise PeerFailed(f"rank 0 failed: {setup['error']}")
+    mx.random.seed(setup["seed"])
+    batched = batchable(loaded.model)
+    batch = (
+        Lockstep(
             loaded.model,
             loaded.tokenizer,
-            request,
-            job.chunks.put if rank0 else None,
-            group,
-            cancelled=job.cancel.is_set if rank0 else None,
-            cancellable=True,
+            options.get("decode_concurrency", 32),
+            options.get("prompt_concurrency", 8),
         )
+        if batched
+        else None
+    )
+    if rank0:
+        scheduler = Scheduler(server, loaded.tokenizer, emit, batched)
+        host, port = server.httpd.server_address[:2]
+        how = "batched" if batched else "one request at a time (its caches cannot be batched)"
+        emit("notice", message=f"serving {server.model_id} on http://{host}:{port}/v1, {how}")
+    live = 0
+    while True:
+        order = scheduler.order(live) if rank0 else None
+        order = share_object(order, group)
         if rank0:
-            job.result = answer.stats
-            job.chunks.put(END)
-            emit("stats", **answer.stats)
+            server.last_contact = time.monotonic()
+        if order:
+            if order.get("quit"):
+                break
+            if "single" in order:
+                job = scheduler.inserting[0][0] if rank0 else None
+                answer = generate(
+                    loaded.model,
+                    loaded.tokenizer,
+                    order["single"],
+                    job.chunks.put if rank0 else None,
+                    group,
+                    cancelled=job.cancel.is_set if rank0 else None,
+                    cancellable=True,
+                )
+                if rank0:
+                    scheduler.single(answer)
+                continue
+            uids = batch.apply(order)
+            if rank0:
+                scheduler.bind(uids)
+        if batch is not None:
+            batch.round(scheduler.on_token if rank0 else None)
+            live = len(batch.live)
+    if batch is not None:
+        batch.close()
+    if rank0:
+        server.httpd.shutdown()

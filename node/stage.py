@@ -106,11 +106,17 @@ def _depend(cache, h: mx.array) -> None:
 
 
 class SkippedCache(_BaseCache):
-    """Cache slot of a layer another rank runs: stores nothing, reports a local twin's offset
-    so masks built from it (the family reads e.g. ``cache[fa_idx]``) stay right."""
+    """Cache slot of a layer another rank runs: stores nothing, reports the offset and mask of
+    a local layer's cache (its twin) so masks built from it (the family reads e.g.
+    ``cache[fa_idx]``) stay right.
 
-    def __init__(self, twin: Any):
+    mlx-lm's BatchGenerator merges, filters and extends caches slot by slot, making new cache
+    objects; so a skipped slot names its twin by layer index and ``resolve_twins`` points it at
+    the twin in the list the model is called with."""
+
+    def __init__(self, twin: Any, twin_index: int):
         self.twin = twin
+        self.twin_index = twin_index
 
     @property
     def offset(self):
@@ -143,6 +149,44 @@ class SkippedCache(_BaseCache):
     def nbytes(self):
         return 0
 
+    # what BatchGenerator does to each slot: a skipped slot has nothing to merge or cut
+    @classmethod
+    def merge(cls, caches):
+        return cls(None, caches[0].twin_index)
+
+    def extract(self, idx):
+        return SkippedCache(None, self.twin_index)
+
+    def prepare(self, **kwargs):
+        pass
+
+    def finalize(self):
+        pass
+
+    def filter(self, batch_indices):
+        pass
+
+    def extend(self, other):
+        pass
+
+
+def resolve_twins(cache) -> None:
+    for c in cache or ():
+        if isinstance(c, SkippedCache):
+            c.twin = cache[c.twin_index]
+
+
+def _resolving_call(model: nn.Module) -> None:
+    """Give ``model`` a ``__call__`` that resolves skipped cache slots first (``__call__`` is
+    looked up on the type, so the instance gets a subclass of its own)."""
+    family = type(model)
+
+    def __call__(self, *args, **kwargs):
+        resolve_twins(kwargs["cache"] if "cache" in kwargs else (args[1:2] or [None])[0])
+        return family.__call__(self, *args, **kwargs)
+
+    model.__class__ = type(family.__name__, (family,), {"__call__": __call__})
+
 
 def apply_stages(
     model: nn.Module, group, split: list[int] | None = None, vlm_cache: bool = False
@@ -173,11 +217,11 @@ def apply_stages(
 
     def make_cache():
         caches = family_cache() if family_cache else [default_cache() for _ in layers]
-        local = caches[start:end]
         for i in [*range(start), *range(end, n)]:
-            twin = next((c for c in local if type(c) is type(caches[i])), local[0])
-            caches[i] = SkippedCache(twin)
+            twin = next((j for j in range(start, end) if type(caches[j]) is type(caches[i])), start)
+            caches[i] = SkippedCache(caches[twin], twin)
         return caches
 
     object.__setattr__(model, "make_cache", make_cache)
+    _resolving_call(model)
     return start, end
