@@ -4,7 +4,8 @@
     python tests/serve_load.py --mode pipeline --clients 1,2,4,8 --max-tokens 64
 
 Each level sends N simultaneous non-streaming /v1/completions requests (greedy, a model whose
-EOS id no token has, so every answer is exactly --max-tokens long) and reports the generated
+EOS id set out of reach; the tokenizer's own EOS may still end an answer early, so the
+tokens counted are the ones the servers report) and reports the generated
 tokens of all answers over the wall time from the first request to the last answer. Both servers
 get one warm-up request first. The model is a weights-dominated tiny qwen2 (qwen2 is a family
 mlx-lm can both pipeline and tensor-shard) unless --model names one. Prints a markdown table.
@@ -91,11 +92,10 @@ def measure(name: str, argv: list[str], port: int, model: str, args) -> list[dic
         rows = []
         for n in args.clients:
             row = level(port, model, n, args.max_tokens)
-            if row["tokens"] != n * args.max_tokens:
-                raise RuntimeError(
-                    f"{name}: {row['tokens']} tokens, expected {n * args.max_tokens}"
-                )
-            print(f"  {n} client(s): {row['tok_s']:.1f} tok/s", file=sys.stderr)
+            print(
+                f"  {n} client(s): {row['tokens']} tokens, {row['tok_s']:.1f} tok/s",
+                file=sys.stderr,
+            )
             rows.append(row)
         return rows
     finally:
