@@ -441,32 +441,30 @@ def run_job(
     clients = []
     job = None
 
-    def cancel_answer() -> bool:
-        """Chat: tell rank 0 to end the answer it is writing; False if it cannot be told."""
+    def tell_rank0(message: bytes, note: str) -> bool:
+        """Write ``message`` to rank 0's stdin and log ``note``; False if it cannot be told."""
         if job is None:
             return False
         try:
-            job.ranks[0].write_stdin(CANCEL)
+            job.ranks[0].write_stdin(message)
         except (OSError, ValueError, EOFError):
             return False
-        log(stderr, f"answer cancelled; Ctrl-C again within {QUIT_WINDOW_S:g} s ends the chat")
+        log(stderr, note)
         return True
 
+    def cancel_answer() -> bool:
+        """Chat: rank 0 ends the answer it is writing."""
+        note = f"answer cancelled; Ctrl-C again within {QUIT_WINDOW_S:g} s ends the chat"
+        return tell_rank0(CANCEL, note)
+
     def drain() -> bool:
-        """Serve: tell rank 0 to finish the answers under way and quit; False if it cannot."""
-        if job is None:
-            return False
-        try:
-            job.ranks[0].write_stdin(DRAIN)
-        except (OSError, ValueError, EOFError):
-            return False
-        job.drained = True
-        log(
-            stderr,
+        """Serve: rank 0 finishes the answers under way, then every rank quits."""
+        note = (
             f"draining: finishing the answers under way (at most {options.drain_timeout:g} s); "
-            "Ctrl-C again stops now",
+            "Ctrl-C again stops now"
         )
-        return True
+        job.drained = tell_rank0(DRAIN, note)
+        return job.drained
 
     if options.command == "chat":
         previous = _trap_signals(cancel_answer)

@@ -82,16 +82,13 @@ def generate(
         logits_processors=processors(request, len(feed)),
         prompt_cache=prompt_cache,
     )
-    opening = THINK_OPEN if opens_in_thought(tokenizer, request["tokens"]) else ""
     return stream(
         responses,
         write,
-        request.get("stop") or [],
+        answer_text(tokenizer, request),
         group,
         cancelled,
         generation_stream,
-        rewrite=normalizer(tokenizer),
-        opening=opening,
         cancellable=cancellable,
     )
 
@@ -165,15 +162,20 @@ class AnswerText:
         return "".join(self.parts)
 
 
+def answer_text(tokenizer, request: dict) -> AnswerText:
+    """The text view of a text model's answer to ``request``: its stop strings, the
+    tokenizer's think markers, and the ``<think>`` its template opened, if it did."""
+    opening = THINK_OPEN if opens_in_thought(tokenizer, request["tokens"]) else ""
+    return AnswerText(request.get("stop") or [], normalizer(tokenizer), opening)
+
+
 def stream(
     responses: Iterable[Any],
     write: Callable[[str], None] | None,
-    stops: list[str] | None = None,
+    text: AnswerText,
     group=None,
     cancelled: Callable[[], bool] | None = None,
     gen_stream=None,
-    rewrite: Rewrite | None = None,
-    opening: str = "",
     cancellable: bool = False,
 ) -> Answer:
     """Hand each response's text to ``write`` (rank 0) and return the answer.
@@ -182,19 +184,17 @@ def stream(
     ``cancelled()``: Ctrl-C in chat); every STOP_CHECK_EVERY tokens all ranks agree on it
     through ``rank0_stopped`` and leave the loop at the same token (they cannot stop alone: the
     next token needs every rank). The check (a stream sync and an all_sum) runs only when rank 0
-    can stop early at all: stop strings, or ``cancellable``. ``rewrite`` normalises reasoning
-    markers before the stop strings are looked for; ``opening`` (a ``<think>`` the template
-    opened) starts the text.
+    can stop early at all: stop strings, or ``cancellable``. ``text`` (AnswerText) says what
+    the client sees.
     mlx-lm's and mlx-vlm's responses carry the same fields."""
-    text = AnswerText(stops or [], rewrite, opening)
     distributed = group is not None and group.size() > 1
-    agree = distributed and (bool(stops) or cancellable)  # derived from what every rank has
+    agree = distributed and (bool(text.stop.stops) or cancellable)  # the same on every rank
     start = time.perf_counter()
     first = last = None
     stopped_at = None  # tokens generated when rank 0 decided to stop
     reason = "stop"
     tokens: list[int] = []
-    if write is not None and opening:
+    if write is not None and text.opening:
         write(text.start())
     for n, response in enumerate(responses, start=1):
         if first is None:

@@ -1,11 +1,11 @@
 """`mlx-cluster serve`: an OpenAI-compatible HTTP API on rank 0.
 
-HTTP threads on rank 0 only parse requests and queue them; the main thread takes one request at a
-time, turns it into prompt tokens, shares it with the other ranks (share_object, plain JSON:
-nothing from the network is ever unpickled) and every rank decodes it in lockstep. The other
-ranks wait in share_object between requests. A client that goes away mid-stream sets its job's
-cancel flag, which rank 0 turns into a stop that every rank agrees on within a few tokens.
-Requests from many clients are queued, one decoded at a time.
+HTTP threads on rank 0 only parse requests and queue them. Rank 0's main thread turns them into
+prompt tokens and, once a round, shares an order with the other ranks (share_object, plain JSON:
+nothing from the network is ever unpickled): which requests join the batch, which leave it. Every
+rank applies it to the same mlx-lm BatchGenerator (node/batch.py), so all decode the batch in
+lockstep; between requests the other ranks wait in share_object. A client that goes away
+mid-stream sets its job's cancel flag, and rank 0 drops its request at the next order.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from .generate import AnswerText, answer_stats
-from .reasoning import THINK_OPEN, normalizer, opens_in_thought
+from .generate import AnswerText, answer_stats, answer_text
 from .sampling import settings
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -358,7 +357,6 @@ class Live:
     first: float | None = None
     last: float | None = None
     n: int = 0
-    done: bool = False
 
 
 class Scheduler:
@@ -418,10 +416,6 @@ class Scheduler:
         insert = []
         while self.waiting:
             job, request = self.waiting[0]
-            if job.cancel.is_set():  # gone before it started
-                self.waiting.popleft()
-                job.chunks.put(END)
-                continue
             if not self.batched or request["seeded"]:
                 if live or insert or order:
                     break  # alone: once the batch is empty
@@ -451,9 +445,8 @@ class Scheduler:
     def bind(self, uids: list[int]) -> None:
         now = time.perf_counter()
         for uid, (job, request) in zip(uids, self.inserting, strict=True):
-            opening = THINK_OPEN if opens_in_thought(self.tokenizer, request["tokens"]) else ""
-            text = AnswerText(request["stop"], normalizer(self.tokenizer), opening)
-            if opening:
+            text = answer_text(self.tokenizer, request)
+            if text.opening:
                 job.chunks.put(text.start())
             self.lives[uid] = Live(
                 job, self.tokenizer.detokenizer, text, len(request["tokens"]), now

@@ -68,7 +68,7 @@ def generate_vlm(
     from mlx_vlm.generate import stream_generate
     from mlx_vlm.generate.common import generation_stream
 
-    from .generate import stream
+    from .generate import AnswerText, stream
 
     mx.random.seed(request["seed"])
     images = [_image(request["image"])] if request.get("image") else None
@@ -86,4 +86,5 @@ def generate_vlm(
         presence_penalty=request["presence_penalty"],
         frequency_penalty=request["frequency_penalty"],
     )
-    return stream(responses, write, request["stop"], group, gen_stream=generation_stream).stats
+    text = AnswerText(request["stop"])
+    return stream(responses, write, text, group, gen_stream=generation_stream).stats
