@@ -32,7 +32,7 @@ from .modelcheck import (
     read_config,
 )
 from .process import LocalRank, RankLaunch, make_job_dir, rank_python
-from .protocol import CANCEL, DRAIN, decode_event
+from .protocol import CANCEL, END_OF_INPUT, decode_event
 
 EXIT_PEER_FAILED = 3  # a rank that stopped because rank 0 failed (see node.__main__)
 TAIL_LINES = 15
@@ -463,7 +463,7 @@ def run_job(
             f"draining: finishing the answers under way (at most {options.drain_timeout:g} s); "
             "Ctrl-C again stops now"
         )
-        job.drained = tell_rank0(DRAIN, note)
+        job.drained = tell_rank0(END_OF_INPUT, note)
         return job.drained
 
     if options.command == "chat":
@@ -542,12 +542,13 @@ def _isatty(stream) -> bool:
 
 
 def _forward_stdin(stdin: IO[bytes], rank) -> None:
-    """Copy our stdin to rank 0 as it arrives; EOF on ours is EOF on its."""
+    """Copy our stdin to rank 0 as it arrives; EOF on ours becomes END_OF_INPUT, not a closed
+    pipe, so a Ctrl-C after it can still cancel the answer."""
     fd = stdin.fileno()
     try:
         while data := os.read(fd, 65536):
             rank.write_stdin(data)
-        rank.close_stdin()
+        rank.write_stdin(END_OF_INPUT)
     except (OSError, EOFError, ValueError):
         pass  # rank 0 is gone; its exit is reported by the main loop
 

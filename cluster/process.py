@@ -96,9 +96,6 @@ class LocalRank:
         self.proc.stdin.write(data)
         self.proc.stdin.flush()
 
-    def close_stdin(self) -> None:
-        self.proc.stdin.close()
-
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 

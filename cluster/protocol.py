@@ -11,7 +11,9 @@ from typing import Any
 
 EVENT_PREFIX = "\x1emlx-cluster "
 CANCEL = b"\x03"  # launcher -> rank 0's stdin: Ctrl-C in chat, end the current answer
-DRAIN = b"\x04"  # launcher -> rank 0's stdin: SIGINT/SIGTERM in serve, finish and quit
+# launcher -> rank 0's stdin: no more input, finish and quit. Chat: our stdin reached EOF (the
+# pipe stays open, so a later Ctrl-C's CANCEL still arrives); serve: SIGINT/SIGTERM, drain.
+END_OF_INPUT = b"\x04"
 
 
 def encode_event(kind: str, **fields: Any) -> str:

@@ -234,9 +234,6 @@ class RemoteRank:
     def write_stdin(self, data: bytes) -> None:
         self.channel.sendall(data)
 
-    def close_stdin(self) -> None:
-        self.channel.shutdown_write()  # EOF for the remote process
-
     def poll(self) -> int | None:
         return self.exit_code
 

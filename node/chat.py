@@ -18,7 +18,7 @@ from typing import IO
 
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from cluster.protocol import CANCEL
+from cluster.protocol import CANCEL, END_OF_INPUT
 
 from .stage import SkippedCache
 
@@ -27,8 +27,10 @@ COMMANDS_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) ends the ses
 
 
 class Input:
-    """Rank 0's stdin, read on a thread: lines go to a queue (None at EOF); a CANCEL byte
-    anywhere sets ``cancel`` at once, even while the main thread is generating."""
+    """Rank 0's stdin, read on a thread: lines go to a queue (None at the end of input); a
+    CANCEL byte anywhere sets ``cancel`` at once, even while the main thread is generating.
+    The input ends at END_OF_INPUT (the launcher's stdin reached EOF) or at EOF; CANCEL bytes
+    still count after END_OF_INPUT."""
 
     def __init__(self, stream: IO[bytes]):
         self.lines: queue.Queue[str | None] = queue.Queue()
@@ -37,17 +39,28 @@ class Input:
 
     def _read(self, fd: int) -> None:
         pending = b""
+        ended = False
         try:
             while chunk := os.read(fd, 65536):
                 if CANCEL in chunk:
                     self.cancel.set()
                     chunk = chunk.replace(CANCEL, b"")
+                if ended:
+                    continue
+                chunk, sep, _ = chunk.partition(END_OF_INPUT)
+                ended = bool(sep)
                 pending += chunk
                 while b"\n" in pending:
                     line, pending = pending.split(b"\n", 1)
                     self.lines.put(line.decode("utf-8", "replace"))
+                if ended:
+                    self._end(pending)
         except OSError:
             pass
+        if not ended:
+            self._end(pending)
+
+    def _end(self, pending: bytes) -> None:
         if pending.strip():
             self.lines.put(pending.decode("utf-8", "replace"))
         self.lines.put(None)

@@ -25,7 +25,7 @@ from .generate import AnswerText, answer_stats, answer_text
 from .sampling import settings
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-DRAIN_BYTES = 64 * 1024 * 1024  # a larger body is refused without reading it
+END_OF_INPUT_BYTES = 64 * 1024 * 1024  # a larger body is refused without reading it
 SAMPLING_FIELDS = {  # OpenAI field -> (our setting, accepted types)
     "temperature": ("temp", (int, float)),
     "top_p": ("top_p", (int, float)),
@@ -38,7 +38,7 @@ SAMPLING_FIELDS = {  # OpenAI field -> (our setting, accepted types)
 }
 DEFAULT_MAX_TOKENS = 512
 PING_S = 2.0  # an idle rank 0 shows every rank it is still there this often
-DRAIN_TIMEOUT_S = 30.0  # a drain cancels what is still being decoded after this
+END_OF_INPUT_TIMEOUT_S = 30.0  # a drain cancels what is still being decoded after this
 STALE_S = 60.0  # /health says "stalled" when the ranks have not met for this long
 
 
@@ -145,7 +145,7 @@ class Server:
         self.info = info
         self.api_key = api_key
         self.draining = threading.Event()  # no new requests; quit once the last one is done
-        self.drain_timeout = DRAIN_TIMEOUT_S
+        self.drain_timeout = END_OF_INPUT_TIMEOUT_S
         self.last_contact = time.monotonic()  # when every rank last met in a collective
         server = self
 
@@ -197,7 +197,7 @@ class Server:
                     raise RequestError(400, "bad Content-Length") from None
                 if size > MAX_BODY_BYTES:
                     self.close_connection = True
-                    if size <= DRAIN_BYTES:  # read it, so the client is not cut off mid-send
+                    if size <= END_OF_INPUT_BYTES:  # read it, so the client is not cut off mid-send
                         while size > 0:
                             size -= len(self.rfile.read(min(size, 1 << 20)) or b"x" * size)
                     raise RequestError(413, f"the body is over {MAX_BODY_BYTES} bytes")
@@ -287,14 +287,14 @@ class Server:
 
 
 def start_drain_listener(server: Server) -> None:
-    """The launcher asks for a drain by writing DRAIN to rank 0's stdin (on SIGINT/SIGTERM);
+    """The launcher asks for a drain by writing END_OF_INPUT to rank 0's stdin (on SIGINT/SIGTERM);
     stdin closing (the launcher is gone) asks for one too."""
     import sys
 
-    from cluster.protocol import DRAIN
+    from cluster.protocol import END_OF_INPUT
 
     def listen():
-        while (data := sys.stdin.buffer.read1(64)) and DRAIN not in data:
+        while (data := sys.stdin.buffer.read1(64)) and END_OF_INPUT not in data:
             pass
         server.draining.set()
         server.jobs.put(None)
@@ -531,7 +531,7 @@ def run_serve(loaded, group, spec: dict, emit) -> None:
                 f"cannot listen on {options['host']}:{options['port']} ({e.strerror}); "
                 "pass another --port"
             ) from None
-        server.drain_timeout = options.get("drain_timeout", DRAIN_TIMEOUT_S)
+        server.drain_timeout = options.get("drain_timeout", END_OF_INPUT_TIMEOUT_S)
         start_drain_listener(server)
     # every rank: the same random state and the same decision to batch
     setup = share_object({"seed": secrets.randbits(31)} if rank0 else None, group)
