@@ -183,21 +183,23 @@ def test_sigstopped_rank_is_named_after_heartbeat_timeout(sshd, models, tmp_path
 
 @pytest.mark.parametrize("where", ["local", "ssh"])
 def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
-    """Rank 0 gets our stdin as it is typed (chat needs it). The "python" here is `cat`, so
-    rank 0 echoes its stdin and the launcher relays it; the other rank has none and exits."""
+    """Rank 0 gets our stdin as it is typed (chat needs it). The "python" here echoes exactly
+    the bytes we type (`head -c`; the launcher keeps the pipe open after our EOF and sends
+    END_OF_INPUT, so `cat` would never end); the other rank has no stdin and exits."""
     import io
 
     from cluster.hostfile import load_hostfile
     from cluster.launcher import JobOptions, run_job
 
-    fake = tmp_path / "python-is-cat"
-    fake.write_text("#!/bin/sh\nexec cat\n")
+    typed = "first line\nzweite Zeile é\n".encode()
+    fake = tmp_path / "python-echoes"
+    fake.write_text(f"#!/bin/sh\nexec head -c {len(typed)}\n")
     fake.chmod(0o755)
     layout = "  - ssh: localhost\n    slots: 2\n" if where == "local" else over_ssh(sshd, 2)
     path = tmp_path / "hosts.yaml"
     path.write_text(sshd.hostfile(layout, str(fake)))
     read_end, write_end = os.pipe()
-    os.write(write_end, "first line\nzweite Zeile é\n".encode())
+    os.write(write_end, typed)
     os.close(write_end)
     out = io.BytesIO()
     with open(read_end, "rb") as stdin:
@@ -208,7 +210,7 @@ def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
             stderr=io.StringIO(),
             stdin=stdin,
         )
-    assert out.getvalue() == "first line\nzweite Zeile é\n".encode()
+    assert out.getvalue() == typed
 
 
 def test_dropped_ssh_connection_stops_the_orphaned_ranks(sshd, models, tmp_path):
