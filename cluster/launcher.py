@@ -87,6 +87,7 @@ class JobOptions:
     split: list[int] | None = None  # pipeline layers per rank (rank 0 holds the last layers)
     image: bytes | None = None  # for a vision-language model; only rank 0's spec carries it
     command: str = "generate"  # or "logits": print the prompt's next-token logits as JSON
+    bench: dict | None = None  # bench: prompt_tokens, gen_tokens, warmup, repeat (every rank)
 
 
 @dataclass
@@ -104,6 +105,7 @@ class RankState:
     error: str | None = None
     bad_model: bool = False  # its error says the model cannot be served as asked
     peak_memory_gb: float | None = None  # reported by the rank when its work is done
+    load_s: float | None = None  # how long the rank took to load its shard
 
 
 @dataclass
@@ -113,6 +115,8 @@ class JobResult:
     first_token_s: float | None = None
     ready_s: float | None = None
     peak_memory_gb: list[float | None] = field(default_factory=list)  # per rank, rank 0 first
+    load_s: list[float | None] = field(default_factory=list)  # per rank
+    bench: list[dict] = field(default_factory=list)  # bench_* events, each with its "rank"
 
 
 def split_weights(hostfile: Hostfile) -> list[float] | None:
@@ -168,6 +172,8 @@ def job_spec(
         "split_weights": weights,
         "prompt_cache_gb": options.prompt_cache_gb,
     }
+    if options.bench is not None:
+        spec["bench"] = options.bench
     if rank == 0 and options.command == "serve":
         spec["serve"] = {
             "host": options.serve_host,
@@ -350,9 +356,13 @@ class Job:
             return
         _on_event(event, state, self.result)
         kind = event["event"]
-        if kind == "stats":
+        if kind == "first_token" and self.result.first_token_s is None:
+            self.result.first_token_s = time.perf_counter() - self.started
+        elif kind == "stats":
             ttft = self.result.first_token_s if self.options.command == "generate" else None
             log(self.stderr, _stats_line(event, ttft))
+        elif kind == "bench_run":
+            log(self.stderr, _bench_run_line(event))
         elif kind == "notice":
             log(self.stderr, event.get("message", ""))
         elif kind == "awaiting_input" and _isatty(self.stdin):
@@ -467,11 +477,11 @@ def run_job(
         return job.drained
 
     if options.command == "chat":
-        previous = _trap_signals(cancel_answer)
+        previous = trap_signals(cancel_answer)
     elif options.command == "serve":
-        previous = _trap_signals(drain, once=True, signals=(signal.SIGINT, signal.SIGTERM))
+        previous = trap_signals(drain, once=True, signals=(signal.SIGINT, signal.SIGTERM))
     else:
-        previous = _trap_signals()
+        previous = trap_signals()
     try:
         ranks, clients = open_ranks(hostfile, launches, job_dir, options.accept_new_host_keys)
         job = Job(ranks, options, stdout, stderr, started, stdin)
@@ -496,7 +506,7 @@ def run_job(
             f"mlx-cluster: stopped by {name}; all ranks stopped", exit_code=128 + e.signum
         ) from None
     finally:
-        _restore_signals(previous)
+        restore_signals(previous)
         if job is not None:
             for r in job.ranks:  # even on an unexpected error nothing may survive
                 if r.poll() is None:
@@ -512,6 +522,7 @@ def run_job(
 
     result = job.result
     result.peak_memory_gb = [s.peak_memory_gb for s in job.states]
+    result.load_s = [s.load_s for s in job.states]
     if any(m is not None for m in result.peak_memory_gb):
         shown = ", ".join(
             f"rank {r} {m:.3f} GB" for r, m in enumerate(result.peak_memory_gb) if m is not None
@@ -531,6 +542,15 @@ def _stats_line(stats: dict, since_start: float | None) -> str:
         f"prompt {t['prompt_n']} tokens at {t['prompt_per_second']:.1f} tok/s, cache "
         f"{t['cache_n']}, generated {t['predicted_n']} tokens at "
         f"{t['predicted_per_second']:.1f} tok/s ({stats['finish_reason']}), {first}"
+    )
+
+
+def _bench_run_line(run: dict) -> str:
+    what = "warm-up run" if run["warmup"] else "run"
+    gen = run.get("generation_tps")
+    return (
+        f"  {what} {run['run'] + 1}: first token after {run['ttft_s']:.3f} s, prefill "
+        f"{run['prefill_tps']:.1f} tok/s, generation {gen or 0:.1f} tok/s"
     )
 
 
@@ -566,6 +586,9 @@ def _on_event(event: dict, state: RankState, result: JobResult | None) -> None:
         state.phase = event["phase"]
     elif kind == "ready":
         state.phase = "ready"
+        state.load_s = event.get("load_s")
+    elif kind.startswith("bench_"):
+        result.bench.append({**event, "rank": state.rank})
     elif kind == "stats":
         result.stats = event
     elif kind == "memory":
@@ -685,7 +708,7 @@ def _silence_stdout(stdout) -> None:
 QUIT_WINDOW_S = 2.0  # a second Ctrl-C within this ends the chat session
 
 
-def _trap_signals(cancel=None, once: bool = False, signals=(signal.SIGINT,)):
+def trap_signals(cancel=None, once: bool = False, signals=(signal.SIGINT,)):
     """SIGINT/TERM/HUP end the job (Interrupted). With ``cancel``, one of ``signals`` calls it
     instead: in chat a Ctrl-C ends the answer and a second one within QUIT_WINDOW_S ends the
     job; with ``once`` (serve: the drain) any later signal ends the job."""
@@ -706,6 +729,6 @@ def _trap_signals(cancel=None, once: bool = False, signals=(signal.SIGINT,)):
     return previous
 
 
-def _restore_signals(previous) -> None:
+def restore_signals(previous) -> None:
     for sig, h in previous.items():
         signal.signal(sig, h)

@@ -80,7 +80,7 @@ def check_request(config: dict[str, Any], command: str, image: bool, name: str) 
             f"--image needs a vision-language model; {name} is text-only "
             "(its config.json has no vision_config)"
         )
-    if command in ("logits", "chat", "serve") and vision:
+    if command in ("logits", "chat", "serve", "bench") and vision:
         what = "--logits" if command == "logits" else command
         raise ModelError(f"{what} is for text models; this is a vision-language model")
 

@@ -19,7 +19,7 @@ from cluster.protocol import encode_event
 
 from .share import PeerFailed
 
-COMMANDS = ("generate", "logits", "chat", "serve")
+COMMANDS = ("generate", "logits", "chat", "serve", "bench")
 EXIT_FAILED = 1
 EXIT_PEER_FAILED = 3
 HEARTBEAT_S = 1.0
@@ -86,12 +86,19 @@ def run(spec: dict) -> None:
     command = spec.get("command", "generate")
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}")
-    if command in ("chat", "serve"):  # every rank alike; one-shot jobs check on rank 0
+    if command in ("chat", "serve", "bench"):  # every rank alike; one-shot jobs: rank 0
         check_request(loaded.config, command, False, repr(loaded.config["model_type"]))
     if command == "serve":
         from .serve import run_serve
 
         run_serve(loaded, group, spec, emit)
+        return
+    if command == "bench":
+        from .bench import run_bench
+
+        run_bench(loaded, group, spec, emit)
+        emit_memory()
+        barrier(group)
         return
     if command == "chat":
         from .chat import run_chat

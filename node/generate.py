@@ -71,9 +71,22 @@ def generate(
     With ``prompt_cache`` (holding the start of the prompt), only ``feed`` is prefilled.
     ``cancellable`` (chat, serve: the same on every rank) says rank 0 may cancel the answer;
     ``cancelled`` is how rank 0 learns it."""
+    return stream(
+        token_stream(model, tokenizer, request, prompt_cache, feed),
+        write,
+        answer_text(tokenizer, request),
+        group,
+        cancelled,
+        generation_stream,
+        cancellable=cancellable,
+    )
+
+
+def token_stream(model, tokenizer, request: dict, prompt_cache=None, feed=None) -> Iterable[Any]:
+    """mlx-lm's stream of responses for ``request``: its seed, sampler and processors."""
     mx.random.seed(request["seed"])
     feed = request["tokens"] if feed is None else feed
-    responses = stream_generate(
+    return stream_generate(
         model,
         tokenizer,
         mx.array(feed),
@@ -81,15 +94,6 @@ def generate(
         sampler=sampler(request),
         logits_processors=processors(request, len(feed)),
         prompt_cache=prompt_cache,
-    )
-    return stream(
-        responses,
-        write,
-        answer_text(tokenizer, request),
-        group,
-        cancelled,
-        generation_stream,
-        cancellable=cancellable,
     )
 
 

@@ -1,5 +1,9 @@
 """Aggregate generation tokens/s under concurrent clients: `mlx-cluster serve` against
-`mlx.launch ... mlx_lm.server` on the same model and mode, measured in the same run.
+mlx_lm.server's distributed path on the same model and mode, measured in the same run.
+
+mlx_lm.server runs twice: its ranks started directly with the environment mlx.launch gives
+them, and under `mlx.launch` itself, whose output relay loop busy-waits on a core (see
+docs/benchmarks.md), which on a 2-core machine slows its ranks several times over.
 
     python tests/serve_load.py --mode pipeline --clients 1,2,4,8 --max-tokens 64
 
@@ -69,25 +73,55 @@ def level(port: int, model: str, clients: int, max_tokens: int) -> dict:
     return {"clients": clients, "tokens": sum(tokens), "wall_s": wall, "tok_s": sum(tokens) / wall}
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGINT to the whole process group, SIGKILL what is left after 30 s."""
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    except ProcessLookupError:
-        pass
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGINT to each process group, SIGKILL what is left after 30 s."""
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
-def measure(name: str, argv: list[str], port: int, model: str, args) -> list[dict]:
-    print(f"{name}: {' '.join(argv)}", file=sys.stderr)
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+def start(argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    # stdin: a pipe never written. mlx.launch forwards its stdin to the ranks, and at EOF
+    # (/dev/null, as in a background job) its select loop spins a core all the time.
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
     )
+
+
+def start_direct(argv: list[str], ranks: int, tmp: Path) -> list[subprocess.Popen]:
+    """``argv`` on each rank of a ring on this machine, with the environment mlx.launch gives
+    its ranks (MLX_RANK, MLX_HOSTFILE) but without mlx.launch, whose output relay busy-waits."""
+    from cluster.backends import rank_envs
+    from cluster.hostfile import local_hostfile
+
+    procs = []
+    for e in rank_envs(local_hostfile(ranks)):
+        env = {**os.environ, **e.env}
+        for var, text in e.files.items():
+            path = tmp / f"{var}.{e.rank}"
+            path.write_text(text)
+            env[var] = str(path)
+        procs.append(start(argv, env))
+    return procs
+
+
+def measure(name: str, procs: list, port: int, model: str, args) -> list[dict]:
+    print(name, file=sys.stderr)
     try:
-        wait_up(port, proc)
+        wait_up(port, procs[0])
         complete(port, model, 4)  # warm-up
         rows = []
         for n in args.clients:
@@ -99,7 +133,7 @@ def measure(name: str, argv: list[str], port: int, model: str, args) -> list[dic
             rows.append(row)
         return rows
     finally:
-        stop(proc)
+        stop(procs)
 
 
 def main() -> None:
@@ -131,27 +165,47 @@ def main() -> None:
             )
         )
     name = Path(args.model).name
+    direct_dir = Path(tempfile.mkdtemp())  # the direct ranks' MLX_HOSTFILE
     try:
-        ours_port, theirs_port = free_port(), free_port()
+        ports = [free_port() for _ in range(3)]
         ours = [str(BIN / "mlx-cluster"), "serve", "-n", str(args.ranks), "--mode", args.mode]
-        ours += ["--model", args.model, "--port", str(ours_port)]
-        theirs = [str(BIN / "mlx.launch"), "-n", str(args.ranks), "--backend", "ring", "--"]
-        theirs += [str(BIN / "mlx_lm.server"), "--model", args.model, "--port", str(theirs_port)]
-        theirs += ["--pipeline"] if args.mode == "pipeline" else []
-        a = measure("mlx-cluster serve", ours, ours_port, name, args)
-        b = measure("mlx_lm.server", theirs, theirs_port, "default_model", args)
+        ours += ["--model", args.model, "--port", str(ports[0])]
+
+        def server(port):
+            argv = [str(BIN / "mlx_lm.server"), "--model", args.model, "--port", str(port)]
+            return argv + (["--pipeline"] if args.mode == "pipeline" else [])
+
+        launch = [str(BIN / "mlx.launch"), "-n", str(args.ranks), "--backend", "ring", "--"]
+        runs = [  # started one after the other, each alone on the machine
+            ("mlx-cluster serve", lambda: [start(ours)], ports[0], name),
+            (
+                "mlx_lm.server (ranks started directly)",
+                lambda: start_direct(server(ports[1]), args.ranks, direct_dir),
+                ports[1],
+                "default_model",
+            ),
+            (
+                "mlx.launch ... mlx_lm.server",
+                lambda: [start(launch + server(ports[2]))],
+                ports[2],
+                "default_model",
+            ),
+        ]
+        results = [measure(label, begin(), port, model, args) for label, begin, port, model in runs]
     finally:
+        shutil.rmtree(direct_dir, ignore_errors=True)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     print(
-        f"| clients | mlx-cluster serve tok/s | mlx_lm.server tok/s | ratio |  ({args.mode}, "
-        f"{args.ranks} ranks, {args.max_tokens} tokens each)"
+        "| clients | mlx-cluster serve tok/s | mlx_lm.server tok/s (direct) | ratio | "
+        f"mlx.launch mlx_lm.server tok/s | ratio |  ({args.mode}, {args.ranks} ranks, "
+        f"{args.max_tokens} tokens each)"
     )
-    print("|---:|---:|---:|---:|")
-    for x, y in zip(a, b, strict=True):
+    print("|---:|---:|---:|---:|---:|---:|")
+    for x, y, z in zip(*results, strict=True):
         print(
             f"| {x['clients']} | {x['tok_s']:.1f} | {y['tok_s']:.1f} | "
-            f"{x['tok_s'] / y['tok_s']:.2f} |"
+            f"{x['tok_s'] / y['tok_s']:.2f} | {z['tok_s']:.1f} | {x['tok_s'] / z['tok_s']:.2f} |"
         )
 
 

@@ -267,3 +267,27 @@ def test_start_timeout_names_the_rank(models):
     assert "stopped responding while" in p.stderr
     assert "not ready after the start timeout of 1 s (--start-timeout)" in p.stderr
     assert rank_pids() == []
+
+
+def test_bench_over_ssh(sshd, models, tmp_path):
+    """bench with a hostfile: --ranks N takes its first N ranks; the remote ranks run over
+    SSH; the mlx-lm baseline, which runs only here, says so in its row."""
+    import json
+
+    hf = hostfile(sshd, tmp_path, LOCAL + over_ssh(sshd, 1))
+    out = tmp_path / "bench.json"
+    p = run_cli(
+        "bench", "--hostfile", hf, "--model", models["llama"], "--modes", "pipeline",
+        "--ranks", "1,2", "--prompt-tokens", 8, "--gen-tokens", 4, "--repeat", 1,
+        "--warmup", 0, "--json", out,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    rows = {(r["impl"], r["ranks"]): r for r in json.loads(out.read_text())["results"]}
+    assert rows[("mlx-cluster", 1)]["status"] == "ok"  # the first host: this machine
+    assert rows[("mlx-lm", 1)]["status"] == "ok"
+    two = rows[("mlx-cluster", 2)]
+    assert two["status"] == "ok" and two["same_tokens_as_single"] is True
+    assert len(two["peak_memory_gb"]) == 2 and two["collectives_per_token"] == 2
+    assert rows[("mlx-lm", 2)]["status"] == "skipped"
+    assert "this machine's ranks only" in rows[("mlx-lm", 2)]["reason"]
+    assert not rank_pids()

@@ -360,3 +360,27 @@ def make_vlm(out: Path, family: str = "paligemma", seed: int = 0) -> Path:
     save_sharded(weights, out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python tests/tiny.py OUT --family qwen2 --set hidden_size=960 ...``: a random model
+    for benchmarks (docs/benchmarks.md), laid out like a converted checkpoint."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--family", default="qwen2", choices=sorted(FAMILIES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=INT", help="a config override"
+    )
+    args = parser.parse_args(argv)
+    overrides = {k: int(v) for k, v in (item.split("=", 1) for item in args.set)}
+    make_model(args.out, args.family, seed=args.seed, **overrides)
+    config = json.loads((args.out / "config.json").read_text())
+    size = sum(f.stat().st_size for f in args.out.glob("*.safetensors"))
+    print(f"{args.out}: {config['model_type']}, {size / 4e6:.0f}M float32 parameters")
+
+
+if __name__ == "__main__":
+    main()
