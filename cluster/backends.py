@@ -31,13 +31,29 @@ def _bind_free(ip: str) -> socket.socket:
 
 
 def port_in_use(ip: str, port: int) -> bool:
+    """Another socket listens on it. Bound with SO_REUSEADDR as MLX's ring binds, so the
+    TIME_WAIT left by a job that just ended does not count (MLX can use the port)."""
     family = socket.AF_INET6 if ":" in ip else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((ip, port))
         except OSError:
             return True
     return False
+
+
+def free_port_run(ip: str, count: int, attempts: int = 50) -> int:
+    """A first port such that it and the ``count - 1`` after it are free on ``ip`` (for a
+    launcher that counts ports up from a start, as mlx.launch does)."""
+    for _ in range(attempts):
+        with _bind_free(ip) as s:
+            first = s.getsockname()[1]
+        if first + count <= 65536 and not any(
+            port_in_use(ip, p) for p in range(first, first + count)
+        ):
+            return first
+    raise RuntimeError(f"found no {count} consecutive free ports on {ip}")
 
 
 def ring_addresses(

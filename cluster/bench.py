@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
-from .backends import rank_envs
+from .backends import free_port_run, rank_envs
 from .hostfile import Hostfile, HostfileError
 from .launcher import (
     Interrupted,
@@ -274,7 +274,9 @@ def run_mlx_lm(config: Config, plan: BenchPlan, hostfile: Hostfile, stderr) -> d
             if launch is None:
                 row["status"], row["reason"] = "skipped", "mlx.launch not found"
                 return row
-            ranks = [([launch, "-n", str(config.ranks), "--backend", "ring", "--", *bench], env)]
+            port = str(free_port_run("127.0.0.1", config.ranks))  # not its fixed 32323
+            argv = [launch, "-n", str(config.ranks), "--backend", "ring"]
+            ranks = [([*argv, "--starting-port", port, "--", *bench], env)]
         else:
             ranks = []
             for e in rank_envs(replace(hf, backend="ring")):

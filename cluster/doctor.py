@@ -43,6 +43,7 @@ except (ValueError, OSError, AttributeError):
 busy = []
 for ip, port in args["ports"]:
     s = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as MLX's ring binds
     try:
         s.bind((ip, port))
     except OSError as e:

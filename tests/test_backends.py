@@ -78,3 +78,23 @@ def test_jaccl_ring_needs_neighbours_only():
 def test_jaccl_diagonal_must_be_null():
     with pytest.raises(HostfileError, match="the entry for the host itself must be null"):
         rank_envs(remote(2, "jaccl", [["x", "y"], ["y", None]]))
+
+
+def test_port_in_use_means_a_listener_not_a_time_wait():
+    """A port left in TIME_WAIT by a job that just ended is free for MLX's ring (it binds
+    with SO_REUSEADDR); a port another process listens on is not."""
+    import socket
+
+    from cluster.backends import free_port_run, port_in_use
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    assert port_in_use("127.0.0.1", port)
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = listener.accept()
+    conn.close()  # the side that closes first keeps the port in TIME_WAIT
+    client.close()
+    listener.close()
+    assert not port_in_use("127.0.0.1", port)
+    first = free_port_run("127.0.0.1", 3)
+    assert not any(port_in_use("127.0.0.1", p) for p in range(first, first + 3))
