@@ -2,7 +2,8 @@
 
 Each configuration is one job (``python -m node run`` with the bench command): warm-up runs,
 then timed runs of a synthetic prompt. The baselines are the same code on 1 rank and mlx-lm's
-own distributed path, ``mlx.launch ... python -m mlx_lm.benchmark`` on the same model, mode,
+own distributed path, ``python -m mlx_lm.benchmark`` on every rank (started directly with the
+environment mlx.launch gives its ranks, or by mlx.launch itself), on the same model, mode,
 prompt (mlx_lm.benchmark draws the same ids) and lengths. The method is in docs/benchmarks.md.
 """
 
@@ -35,7 +36,7 @@ from .launcher import (
     run_job,
     trap_signals,
 )
-from .process import rank_python
+from .process import rank_python, write_files
 
 OURS, MLX_LM, MLX_LAUNCH = "mlx-cluster", "mlx-lm", "mlx.launch"
 BASELINES = ("single", MLX_LM, MLX_LAUNCH)
@@ -188,7 +189,8 @@ def run_ours(config: Config, plan: BenchPlan, hostfile: Hostfile, job: dict, std
         return row
     runs = [e for e in result.bench if e["event"] == "bench_run"]
     row["runs"] = [_run_fields(e) for e in runs if not e["warmup"]]
-    row["tokens_sha"] = runs[-1]["tokens_sha"] if runs else None
+    shas = {e["tokens_sha"] for e in runs}
+    row["tokens_sha"] = shas.pop() if len(shas) == 1 else None  # None: runs disagreed
     summarise_runs(row)
     loads = [x for x in result.load_s if x is not None]
     row["load_s"] = max(loads) if loads else None
@@ -278,14 +280,10 @@ def run_mlx_lm(config: Config, plan: BenchPlan, hostfile: Hostfile, stderr) -> d
             argv = [launch, "-n", str(config.ranks), "--backend", "ring"]
             ranks = [([*argv, "--starting-port", port, "--", *bench], env)]
         else:
-            ranks = []
-            for e in rank_envs(replace(hf, backend="ring")):
-                files = {}
-                for var, text in e.files.items():
-                    path = Path(tmp) / f"{var}.{e.rank}"
-                    path.write_text(text)
-                    files[var] = str(path)
-                ranks.append((bench, {**env, **e.env, **files}))
+            ranks = [
+                (bench, {**env, **e.env, **write_files(e.files, Path(tmp) / f"rank{e.rank}")})
+                for e in rank_envs(replace(hf, backend="ring"))
+            ]
         row["command"] = " ".join(ranks[0][0])
         try:
             lines, ready_s, code = _follow(ranks, Path(tmp), plan.baseline_timeout, stderr)
@@ -366,11 +364,7 @@ def _follow(ranks: list[tuple[list, dict]], tmp: Path, timeout: float, stderr):
             if TRIAL.search(line):
                 log(stderr, f"  {line.strip()}")
         codes = [p.wait() for p in procs]
-    except Interrupted:
-        for p in procs:
-            _stop_group(p, signal.SIGTERM)
-        raise
-    finally:
+    finally:  # also on Ctrl-C (Interrupted): nothing we started survives
         restore_signals(previous)
         timer.cancel()
         for p in procs:
@@ -437,8 +431,8 @@ def _ratios(row: dict, base: dict) -> dict:
 
 
 def run_sweep(plan: BenchPlan, hostfile: Hostfile, job: dict, stderr: IO[str]) -> list[dict]:
-    """Every configuration in turn; ``Interrupted`` work stops the sweep, with the rows done
-    so far in ``stopped.rows``."""
+    """Every configuration in turn. Ctrl-C or a signal stops the sweep: SweepStopped, with
+    the rows done so far."""
     rows: list[dict] = []
     todo = configs(plan)
     previous = trap_signals()  # Ctrl-C between two jobs stops the sweep too

@@ -684,19 +684,16 @@ def bench(hostfile, backend, model, modes, ranks, json_file, csv_file, plot_file
 
 
 def check_bench_model(plan, hostfile) -> None:
-    """Every configuration of the sweep can shard this model (when its config is here)."""
-    from .modelcheck import check_request, check_shardable, looks_like_repo, read_config
+    """Every configuration of the sweep passes the launcher's preflight (the model's config,
+    when it is here, against the mode and rank count), before any rank starts."""
+    from .bench import first_ranks
+    from .launcher import preflight
 
-    path = Path(plan.model).expanduser()
-    elsewhere = not path.exists() and not all(h.is_local for h in hostfile.hosts)
-    if (looks_like_repo(plan.model) and not path.exists()) or elsewhere:
-        return  # the hosts fetch or hold it; each rank checks
-    config = read_config(path)
-    check_request(config, "bench", False, plan.model)
     for mode in plan.modes:
         for n in plan.ranks:
+            options = JobOptions(model=plan.model, prompt="", mode=mode, command="bench")
             try:
-                check_shardable(config, mode, n)
+                preflight(first_ranks(hostfile, n), options)
             except ModelError as e:
                 raise ModelError(f"--modes {mode} --ranks {n}: {e}") from None
 

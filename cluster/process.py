@@ -37,6 +37,18 @@ class RankLaunch:
     stdin: bool = False  # forward the launcher's stdin to this rank (rank 0 in chat)
 
 
+def write_files(files: dict[str, str], directory: Path) -> dict[str, str]:
+    """Write a rank's files (env var -> text) into ``directory``; the vars, set to their
+    paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for var, text in files.items():
+        path = directory / f"{var.lower()}.json"
+        path.write_text(text)
+        paths[var] = str(path)
+    return paths
+
+
 def node_command(python: str, spec_path: str) -> list[str]:
     return [python, "-m", "node", "run", "--spec", spec_path]
 
@@ -57,10 +69,7 @@ class LocalRank:
         env = dict(os.environ)
         env.update(self.launch.extra_env)
         env.update(self.launch.env)
-        for var, text in self.launch.files.items():
-            path = self.dir / f"{var.lower()}.json"
-            path.write_text(text)
-            env[var] = str(path)
+        env.update(write_files(self.launch.files, self.dir))
         spec_path = self.dir / "job.json"
         spec_path.write_text(self.launch.spec)
         os.chmod(spec_path, 0o600)

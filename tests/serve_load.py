@@ -106,16 +106,12 @@ def start_direct(argv: list[str], ranks: int, tmp: Path) -> list[subprocess.Pope
     its ranks (MLX_RANK, MLX_HOSTFILE) but without mlx.launch, whose output relay busy-waits."""
     from cluster.backends import rank_envs
     from cluster.hostfile import local_hostfile
+    from cluster.process import write_files
 
-    procs = []
-    for e in rank_envs(local_hostfile(ranks)):
-        env = {**os.environ, **e.env}
-        for var, text in e.files.items():
-            path = tmp / f"{var}.{e.rank}"
-            path.write_text(text)
-            env[var] = str(path)
-        procs.append(start(argv, env))
-    return procs
+    return [
+        start(argv, {**os.environ, **e.env, **write_files(e.files, tmp / f"rank{e.rank}")})
+        for e in rank_envs(local_hostfile(ranks))
+    ]
 
 
 def measure(name: str, procs: list, port: int, model: str, args) -> list[dict]:
