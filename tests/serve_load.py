@@ -11,8 +11,11 @@ Each level sends N simultaneous non-streaming /v1/completions requests (greedy, 
 EOS id set out of reach; the tokenizer's own EOS may still end an answer early, so the
 tokens counted are the ones the servers report) and reports the generated
 tokens of all answers over the wall time from the first request to the last answer. Both servers
-get one warm-up request first. The model is a weights-dominated tiny qwen2 (qwen2 is a family
-mlx-lm can both pipeline and tensor-shard) unless --model names one. Prints a markdown table.
+get one warm-up request first. By default every request has a prompt of its own: mlx_lm.server
+keeps a prompt cache and answers a prompt it has seen without a prefill, which `--prompts same`
+shows (on this CPU a prefill costs as much per token as a decode step). The model is a
+weights-dominated tiny qwen2 (qwen2 is a family mlx-lm can both pipeline and tensor-shard)
+unless --model names one. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -54,9 +57,9 @@ def wait_up(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("server not up in time")
 
 
-def complete(port: int, model: str, max_tokens: int) -> int:
+def complete(port: int, model: str, max_tokens: int, prompt: str = PROMPT) -> int:
     body = json.dumps(
-        {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+        {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     ).encode()
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
@@ -65,10 +68,19 @@ def complete(port: int, model: str, max_tokens: int) -> int:
     return answer["usage"]["completion_tokens"]
 
 
-def level(port: int, model: str, clients: int, max_tokens: int) -> dict:
+def prompts(clients: int, first: int, distinct: bool) -> list[str]:
+    """The level's prompts: the same one, or each opening with its own number, so that no
+    server's prompt cache holds any of them (mlx_lm.server keeps one; ours does not)."""
+    if not distinct:
+        return [PROMPT] * clients
+    return [f"Question {first + i}. {PROMPT}" for i in range(clients)]
+
+
+def level(port: int, model: str, texts: list[str], max_tokens: int) -> dict:
+    clients = len(texts)
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        tokens = list(pool.map(lambda _: complete(port, model, max_tokens), range(clients)))
+        tokens = list(pool.map(lambda t: complete(port, model, max_tokens, t), texts))
     wall = time.perf_counter() - start
     return {"clients": clients, "tokens": sum(tokens), "wall_s": wall, "tok_s": sum(tokens) / wall}
 
@@ -118,10 +130,11 @@ def measure(name: str, procs: list, port: int, model: str, args) -> list[dict]:
     print(name, file=sys.stderr)
     try:
         wait_up(port, procs[0])
-        complete(port, model, 4)  # warm-up
-        rows = []
+        complete(port, model, 4, "Warm up.")
+        rows, first = [], 0
         for n in args.clients:
-            row = level(port, model, n, args.max_tokens)
+            row = level(port, model, prompts(n, first, args.prompts == "distinct"), args.max_tokens)
+            first += n
             print(
                 f"  {n} client(s): {row['tokens']} tokens, {row['tok_s']:.1f} tok/s",
                 file=sys.stderr,
@@ -139,6 +152,13 @@ def main() -> None:
     parser.add_argument("-n", "--ranks", type=int, default=2)
     parser.add_argument("--clients", default="1,2,4,8")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--prompts",
+        choices=["distinct", "same"],
+        default="distinct",
+        help="every request its own prompt (default), or all the same one, which "
+        "mlx_lm.server's prompt cache answers without a prefill",
+    )
     args = parser.parse_args()
     args.clients = [int(x) for x in args.clients.split(",")]
     tmp = None
@@ -195,7 +215,7 @@ def main() -> None:
     print(
         "| clients | mlx-cluster serve tok/s | mlx_lm.server tok/s (direct) | ratio | "
         f"mlx.launch mlx_lm.server tok/s | ratio |  ({args.mode}, {args.ranks} ranks, "
-        f"{args.max_tokens} tokens each)"
+        f"{args.max_tokens} tokens each, {args.prompts} prompts)"
     )
     print("|---:|---:|---:|---:|---:|---:|")
     for x, y, z in zip(*results, strict=True):

@@ -164,19 +164,38 @@ def test_bad_requests_get_openai_errors_and_the_ranks_go_on(server):
     assert ask(server.client).choices[0].message.content == chat_reference(server.model, 16)
 
 
-def test_many_mixed_requests(server):
+def test_two_hundred_mixed_requests_and_no_rank_restarts(server):
+    """Malformed, non-streaming, streaming, completions and clients that leave mid-stream, 4 at
+    a time: each gets its answer or its 4xx, and the same rank processes serve them all."""
+    reference = chat_reference(server.model, 4)
+
     def one(i):
-        if i % 3 == 0:
-            return server.post("/v1/chat/completions", b"[]")[0]
-        r = ask(server.client, max_tokens=4, stream=bool(i % 2))
-        if i % 2:
-            list(r)
-        return 200
+        kind = i % 5
+        if kind == 0:
+            return server.post("/v1/chat/completions", b"[]")[0] == 400
+        if kind == 1:
+            return ask(server.client, max_tokens=4).choices[0].message.content == reference
+        if kind == 2:
+            chunks = ask(server.client, max_tokens=4, stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+                reference
+            )
+        if kind == 3:
+            r = server.client.completions.create(model="m", prompt="x", max_tokens=4)
+            return r.choices[0].finish_reason in ("stop", "length")
+        stream = ask(server.client, max_tokens=1000, stream=True)
+        next(iter(stream))
+        stream.close()  # gone mid-answer
+        return True
 
     with ThreadPoolExecutor(4) as pool:
-        statuses = list(pool.map(one, range(60)))
-    assert statuses.count(400) == 20 and statuses.count(200) == 40
+        answered = list(pool.map(one, range(200)))
+    assert all(answered), [i for i, ok in enumerate(answered) if not ok]
     assert server.proc.poll() is None
+    assert len(server.pids) == 2 and server.pids <= set(
+        rank_pids()
+    )  # the ranks that started are the ones still serving
+    assert ask(server.client, max_tokens=4).choices[0].message.content == reference
 
 
 def test_api_key(tmp_path):
