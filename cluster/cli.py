@@ -760,6 +760,9 @@ def doctor(
     sys.exit(0 if all(r.ok for r in reports) else 1)
 
 
+from . import cli_rig  # noqa: E402, F401 - registers sync, install and hostfile
+
+
 def main():
     cli()
 

@@ -17,8 +17,8 @@ import yaml
 
 BACKENDS = ("ring", "jaccl", "jaccl-ring")
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
-TOP_KEYS = ("backend", "python", "env", "ssh", "hosts")
-HOST_KEYS = ("ssh", "ips", "rdma", "slots", "memory_gb", "python", "cwd")
+TOP_KEYS = ("backend", "python", "model_dir", "env", "ssh", "hosts")
+HOST_KEYS = ("ssh", "ips", "rdma", "slots", "memory_gb", "python", "cwd", "model_dir")
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts")
 
 
@@ -47,6 +47,7 @@ class Host:
     memory_gb: float | None = None
     python: str | None = None
     cwd: str | None = None
+    model_dir: str | None = None  # where `sync` puts models on this host, and ranks load them
 
     @property
     def is_local(self) -> bool:
@@ -66,6 +67,11 @@ class Hostfile:
     env: dict[str, str] = field(default_factory=dict)
     ssh: SSHOptions = field(default_factory=SSHOptions)
     path: str | None = None
+    model_dir: str | None = None
+
+    def model_dir_of(self, host: Host) -> str | None:
+        """The directory that holds this host's synced models (its own, else the file's)."""
+        return host.model_dir or self.model_dir
 
     @property
     def world_size(self) -> int:
@@ -166,7 +172,8 @@ def parse_hostfile(data: Any, where: str = "<hostfile>") -> Hostfile:
     if not isinstance(raw_hosts, list) or not raw_hosts:
         raise fail("field 'hosts' must be a non-empty list")
     hosts = [_host(i, h, where) for i, h in enumerate(raw_hosts)]
-    hostfile = Hostfile(hosts, backend, python, env, ssh, where)
+    model_dir = _opt_str(data.get("model_dir"), "model_dir", fail)
+    hostfile = Hostfile(hosts, backend, python, env, ssh, where, model_dir)
     _check_rdma(hostfile, where)
     return hostfile
 
@@ -248,6 +255,7 @@ def _host(index: int, raw: Any, where: str) -> Host:
         memory_gb=memory_gb,
         python=_opt_str(raw.get("python"), "python", fail),
         cwd=_opt_str(raw.get("cwd"), "cwd", fail),
+        model_dir=_opt_str(raw.get("model_dir"), "model_dir", fail),
     )
 
 
@@ -275,3 +283,17 @@ def _check_rdma(hostfile: Hostfile, where: str) -> None:
                     f"{where}: {h.label}: field 'rdma[{j}]' must be a device name, "
                     f"a list of names, or null; got {dev!r}"
                 )
+
+
+def model_name(model: str) -> str:
+    """The directory name a model gets under a host's model_dir: a local directory's own name,
+    or a Hugging Face repo's name without its owner."""
+    return Path(model.rstrip("/")).name
+
+
+def rank_model_path(hostfile: Hostfile, host: Host, model: str) -> str:
+    """Where the ranks on ``host`` load ``model`` from: under its model_dir when it has one."""
+    model_dir = hostfile.model_dir_of(host)
+    if model_dir is None:
+        return model
+    return f"{model_dir.rstrip('/')}/{model_name(model)}"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .backends import port_in_use, rank_envs, ring_ports
-from .hostfile import Hostfile
+from .hostfile import Hostfile, rank_model_path
 from .modelcheck import (
     ModelError,
     check_request,
@@ -161,11 +161,16 @@ def check_ports(hostfile: Hostfile, launches: list[RankLaunch]) -> None:
 
 
 def job_spec(
-    options: JobOptions, world_size: int, rank: int, weights: list[float] | None = None
+    options: JobOptions,
+    world_size: int,
+    rank: int,
+    weights: list[float] | None = None,
+    model: str | None = None,
 ) -> str:
+    """One rank's job; ``model`` is where that rank loads the model from (default: as given)."""
     spec: dict[str, Any] = {
         "command": options.command,
-        "model": options.model,
+        "model": model or options.model,
         "mode": options.mode,
         "world_size": world_size,
         "split": options.split,
@@ -217,7 +222,13 @@ def plan(hostfile: Hostfile, options: JobOptions) -> list[RankLaunch]:
             python=rank_python(e.host, hostfile.python),
             env=e.env,
             files=e.files,
-            spec=job_spec(options, len(envs), e.rank, split_weights(hostfile)),
+            spec=job_spec(
+                options,
+                len(envs),
+                e.rank,
+                split_weights(hostfile),
+                rank_model_path(hostfile, e.host, options.model),
+            ),
             cwd=e.host.cwd,
             extra_env=hostfile.env,
             # chat: our stdin goes on; serve: the drain request travels on it

@@ -7,7 +7,6 @@ materialised, so each rank's memory is about its share of the model.
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
 from contextlib import contextmanager
@@ -29,11 +28,11 @@ from cluster.modelcheck import (
     num_layers,
     read_config,
 )
+from cluster.shards import LAYER_RE, VLM_LAYER_RE, pipeline_range, weight_files_for_layers
 
-from .stage import apply_stages, pipeline_range
-from .vlm import VLM_LAYER_RE, load_vlm
+from .stage import apply_stages
+from .vlm import load_vlm
 
-LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 META_PATTERNS = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jsonl", "*.jinja"]
 
 
@@ -61,22 +60,6 @@ def resolve_model(ref: str, allow_patterns: list[str] | None = None) -> Path:
             f"{ref}: not a local directory, and it could not be fetched from the Hugging Face "
             f"hub ({type(e).__name__}: {e}); copy the model to this host and pass its path"
         ) from e
-
-
-def weight_files_for_layers(
-    model_dir: Path, start: int, end: int, layer_re: re.Pattern = LAYER_RE
-) -> list[str]:
-    """Safetensors files holding layers [start, end) or weights outside the layers."""
-    index_path = model_dir / "model.safetensors.index.json"
-    if not index_path.exists():
-        return sorted(p.name for p in model_dir.glob("model*.safetensors"))
-    weight_map = json.loads(index_path.read_text())["weight_map"]
-    files = set()
-    for name, file in weight_map.items():
-        m = layer_re.search(name)
-        if m is None or start <= int(m.group(1)) < end:
-            files.add(file)
-    return sorted(files)
 
 
 def _view(model_dir: Path, weight_files: list[str]) -> Path:

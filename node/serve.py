@@ -517,7 +517,8 @@ def run_serve(loaded, group, spec: dict, emit) -> None:
     options = spec.get("serve") or {}
     server = scheduler = None
     if rank0:
-        model_id = Path(spec["model"]).name if Path(spec["model"]).exists() else spec["model"]
+        local = Path(spec["model"]).expanduser()
+        model_id = local.name if local.exists() else spec["model"]
         info = {"model": model_id, "mode": spec["mode"], "ranks": group.size()}
         try:
             server = Server(

@@ -17,24 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, _BaseCache
 
-
-def pipeline_split(num_layers: int, size: int, split: list[int] | None = None) -> list[int]:
-    """Layers per rank; the even split gives the extra layers to the low ranks (as mlx-lm)."""
-    if split is None:
-        base, extra = divmod(num_layers, size)
-        split = [base + (1 if r < extra else 0) for r in range(size)]
-    if len(split) != size or any(s <= 0 for s in split) or sum(split) != num_layers:
-        raise ValueError(
-            f"split {split} must have {size} positive entries summing to {num_layers} layers"
-        )
-    return split
-
-
-def pipeline_range(num_layers: int, size: int, rank: int, split: list[int] | None = None):
-    """(start, end) of the layers this rank holds: rank r follows ranks r+1 ... size-1."""
-    split = pipeline_split(num_layers, size, split)
-    start = sum(split[rank + 1 :])
-    return start, start + split[rank]
+from cluster.shards import pipeline_range
 
 
 class PassThrough(nn.Module):

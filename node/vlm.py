@@ -10,15 +10,11 @@ same token as a single-process mlx-vlm run would.
 from __future__ import annotations
 
 import io
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-
-# The language model's layers; the vision tower has "layers" of its own that are not ours.
-VLM_LAYER_RE = re.compile(r"^language_model\.(?:model\.)?layers\.(\d+)\.")
 
 
 def load_vlm(view: Path, model_dir: Path):

@@ -1,0 +1,73 @@
+"""Which layers and which files each rank of a pipeline needs: shared by the ranks (to load
+only their files) and by `mlx-cluster sync` (to copy only those files to each host)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from .modelcheck import choose_split, is_vision_model, num_layers
+
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# A VLM's language-model layers; the vision tower has "layers" of its own that are not ours.
+VLM_LAYER_RE = re.compile(r"^language_model\.(?:model\.)?layers\.(\d+)\.")
+
+
+def pipeline_split(num_layers: int, size: int, split: list[int] | None = None) -> list[int]:
+    """Layers per rank; the even split gives the extra layers to the low ranks (as mlx-lm)."""
+    if split is None:
+        base, extra = divmod(num_layers, size)
+        split = [base + (1 if r < extra else 0) for r in range(size)]
+    if len(split) != size or any(s <= 0 for s in split) or sum(split) != num_layers:
+        raise ValueError(
+            f"split {split} must have {size} positive entries summing to {num_layers} layers"
+        )
+    return split
+
+
+def pipeline_range(
+    num_layers: int, size: int, rank: int, split: list[int] | None = None
+) -> tuple[int, int]:
+    """(start, end) of the layers this rank holds: rank r follows ranks r+1 ... size-1."""
+    split = pipeline_split(num_layers, size, split)
+    start = sum(split[rank + 1 :])
+    return start, start + split[rank]
+
+
+def weight_files_for_layers(
+    model_dir: Path, start: int, end: int, layer_re: re.Pattern = LAYER_RE
+) -> list[str]:
+    """Safetensors files holding layers [start, end) or weights outside the layers."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if not index_path.exists():
+        return sorted(p.name for p in model_dir.glob("model*.safetensors"))
+    weight_map = json.loads(index_path.read_text())["weight_map"]
+    files = set()
+    for name, file in weight_map.items():
+        m = layer_re.search(name)
+        if m is None or start <= int(m.group(1)) < end:
+            files.add(file)
+    return sorted(files)
+
+
+def rank_weight_files(
+    model_dir: Path,
+    config: dict[str, Any],
+    mode: str,
+    size: int,
+    split: list[int] | None = None,
+    weights: list[float] | None = None,
+) -> list[list[str]]:
+    """Per rank, the weight files it reads: its layers' in pipeline mode, all in tensor mode."""
+    every = sorted(p.name for p in model_dir.glob("model*.safetensors"))
+    n = num_layers(config)
+    if mode != "pipeline" or size < 2 or n is None:
+        return [every] * size
+    split = choose_split(config, size, split, weights)
+    layer_re = VLM_LAYER_RE if is_vision_model(config) else LAYER_RE
+    return [
+        weight_files_for_layers(model_dir, *pipeline_range(n, size, r, split), layer_re)
+        for r in range(size)
+    ]

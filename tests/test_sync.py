@@ -1,0 +1,147 @@
+"""`mlx-cluster sync`: each host gets exactly its ranks' files over SFTP (a real sshd on
+loopback), equal files are skipped, partial ones resumed, and ranks then load the copy."""
+
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import reference, run_cli
+from sshd import SSHD
+
+pytestmark = pytest.mark.skipif(not Path(SSHD).exists(), reason="needs openssh-server")
+
+PROMPT = "Tell me about lists"
+
+
+def rig(sshd, tmp_path, model_dirs=True) -> Path:
+    """Host 0 is this machine (copied to directly), host 1 is reached over SSH."""
+    d0 = f"\n    model_dir: {tmp_path / 'h0'}" if model_dirs else ""
+    d1 = f"\n    model_dir: {tmp_path / 'h1'}" if model_dirs else ""
+    hosts = (
+        f"  - ssh: localhost\n    ips: [127.0.0.1]{d0}\n"
+        f"  - ssh: 127.0.0.1:{sshd.port}\n    ips: [127.0.0.1]{d1}\n"
+    )
+    path = tmp_path / "rig.yaml"
+    path.write_text(sshd.hostfile(hosts, sys.executable))
+    return path
+
+
+def sync(*args):
+    p = run_cli("sync", "--json", *args)
+    return p, (json.loads(p.stdout) if p.stdout.strip() else None)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def layer_files(model: Path, start: int, end: int) -> set[str]:
+    """From the index, independently of cluster.shards: files with a layer in [start, end)
+    or any weight outside the layers."""
+    weight_map = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
+    files = set()
+    for name, file in weight_map.items():
+        m = re.search(r"layers\.(\d+)\.", name)
+        if m is None or start <= int(m.group(1)) < end:
+            files.add(file)
+    return files
+
+
+def test_pipeline_ranks_get_their_files_a_second_sync_sends_nothing_and_ranks_load_it(
+    sshd, models, tmp_path
+):
+    model = Path(models["llama"])
+    hf = rig(sshd, tmp_path)
+    p, report = sync("--hostfile", hf, "--model", model)
+    assert p.returncode == 0, p.stderr
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    meta = {f.name for f in model.iterdir() if f.suffix != ".safetensors"}
+    half = layers // 2  # rank 0 holds the last layers, as mlx-lm's pipeline
+    wanted = [meta | layer_files(model, half, layers), meta | layer_files(model, 0, half)]
+    assert wanted[0] != wanted[1]
+    for host, expected, d in zip(report["hosts"], wanted, ("h0", "h1"), strict=True):
+        assert host["error"] is None
+        there = {f.name for f in (tmp_path / d / "llama").iterdir()}
+        assert there == expected  # exactly its files, no .part left
+        assert all(sha(tmp_path / d / "llama" / n) == sha(model / n) for n in there)
+        assert host["bytes_sent"] == sum((model / n).stat().st_size for n in expected)
+        assert {f["action"] for f in host["files"]} == {"sent"}
+    assert report["bytes_sent"] == sum(h["bytes_sent"] for h in report["hosts"])
+
+    p, again = sync("--hostfile", hf, "--model", model)
+    assert p.returncode == 0, p.stderr
+    assert again["bytes_sent"] == 0
+    assert all(f["action"] == "skipped" for h in again["hosts"] for f in h["files"])
+
+    # the ranks load from each host's model_dir: the partial copies, not the original
+    p = run_cli("launch", "--hostfile", hf, "--model", model, "--max-tokens", 30, PROMPT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == reference(model, PROMPT, 30)
+
+
+def test_truncated_and_corrupt_files_are_sent_again(sshd, models, tmp_path):
+    model = Path(models["qwen2"])
+    hf = rig(sshd, tmp_path)
+    p, _ = sync("--hostfile", hf, "--model", model, "--mode", "tensor")
+    assert p.returncode == 0, p.stderr
+    weights = sorted(f.name for f in model.glob("*.safetensors"))
+    assert {f.name for f in (tmp_path / "h1" / "qwen2").iterdir()} == {
+        f.name for f in model.iterdir()
+    }  # tensor: every file
+    truncated = tmp_path / "h1" / "qwen2" / weights[0]
+    size = truncated.stat().st_size
+    truncated.write_bytes(truncated.read_bytes()[: size // 3])
+    corrupt = tmp_path / "h0" / "qwen2" / weights[1]
+    data = bytearray(corrupt.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    corrupt.write_bytes(bytes(data))
+
+    p, report = sync("--hostfile", hf, "--model", model, "--mode", "tensor")
+    assert p.returncode == 0, p.stderr
+    actions = {
+        (h["index"], f["name"]): (f["action"], f["sent"])
+        for h in report["hosts"]
+        for f in h["files"]
+    }
+    assert actions[(1, weights[0])] == ("resumed", size - size // 3)
+    assert actions[(0, weights[1])] == ("sent", corrupt.stat().st_size)
+    assert report["bytes_sent"] == size - size // 3 + corrupt.stat().st_size
+    assert sha(truncated) == sha(model / weights[0]) and sha(corrupt) == sha(model / weights[1])
+
+
+def test_a_partial_copy_that_is_not_a_prefix_is_sent_whole(sshd, models, tmp_path):
+    model = Path(models["llama"])
+    hf = rig(sshd, tmp_path)
+    name = sorted(f.name for f in model.glob("*.safetensors"))[0]
+    (tmp_path / "h1" / "llama").mkdir(parents=True)
+    (tmp_path / "h1" / "llama" / (name + ".part")).write_bytes(b"not the file")
+    p, report = sync("--hostfile", hf, "--model", model, "--mode", "tensor")
+    assert p.returncode == 0, p.stderr
+    f = next(f for f in report["hosts"][1]["files"] if f["name"] == name)
+    size = (model / name).stat().st_size
+    assert f["action"] == "resent" and f["sent"] == size - len(b"not the file") + size
+    assert sha(tmp_path / "h1" / "llama" / name) == sha(model / name)
+
+
+def test_human_report_and_errors(sshd, models, tmp_path):
+    model = Path(models["llama"])
+    hf = rig(sshd, tmp_path, model_dirs=False)
+    p = run_cli("sync", "--hostfile", hf, "--model", model)
+    assert p.returncode == 1
+    assert "host 1 (127.0.0.1:" in p.stdout and "no model_dir for this host" in p.stdout
+    assert "--dest DIR" in p.stdout
+
+    p = run_cli("sync", "--hostfile", hf, "--model", model, "--dest", tmp_path / "d")
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"host 0 \(localhost\): \d+ files in .*/d/llama \(\d+ sent\)", p.stdout)
+    assert "add `model_dir:" in p.stderr  # the ranks would not load from --dest otherwise
+
+    p = run_cli("sync", "--hostfile", hf, "--model", tmp_path / "nope")
+    assert p.returncode == 2 and "no such model directory" in p.stderr
+    p = run_cli("sync", "--hostfile", hf, "--model", "someone/not-cached-anywhere")
+    assert p.returncode == 2 and "not in the local Hugging Face cache" in p.stderr
+    p = run_cli("sync", "--hostfile", hf)
+    assert p.returncode == 2 and "--model is required" in p.stderr
