@@ -124,3 +124,311 @@ def sync(hostfile, num_ranks, backend, accept_new_host_keys, model, mode, split,
             err=True,
         )
     sys.exit(1 if any(r.error for r in results) else 0)
+
+
+@cli.group("hostfile")
+def hostfile_group():
+    """Check, convert and discover hostfiles (see docs/hostfile.md)."""
+
+
+def _load(path: str):
+    from .hostfile import load_hostfile
+
+    try:
+        return load_hostfile(path)
+    except HostfileError as e:
+        raise click.UsageError(str(e)) from None
+
+
+@hostfile_group.command("check")
+@click.argument("path", type=click.Path(dir_okay=False))
+def hostfile_check(path):
+    """Validate a hostfile (YAML or mlx.launch JSON) without contacting any host.
+
+    Prints each host with its ranks and what the backend will use; exits 2 with the file,
+    host and field named when something is wrong. `mlx-cluster doctor` then checks the hosts
+    themselves.
+    """
+    from .backends import rank_envs
+
+    hf = _load(path)
+    try:
+        rank_envs(hf)  # the backend's own checks (rdma devices, addresses)
+    except HostfileError as e:
+        raise click.UsageError(str(e)) from None
+    hosts, ranks = len(hf.hosts), hf.world_size
+    click.echo(
+        f"{path}: ok: {hosts} host{'s' * (hosts != 1)}, {ranks} rank{'s' * (ranks != 1)}, "
+        f"{hf.backend} backend"
+    )
+    rank = 0
+    for h in hf.hosts:
+        ranks = ", ".join(str(r) for r in range(rank, rank + h.slots))
+        rank += h.slots
+        parts = [f"ranks {ranks}" if h.slots > 1 else f"rank {ranks}"]
+        if h.ips:
+            parts.append(f"ips {', '.join(h.ips)}")
+        if h.rdma:
+            parts.append("rdma " + ", ".join("-" if d is None else str(d) for d in h.rdma))
+        model_dir = hf.model_dir_of(h)
+        if model_dir:
+            parts.append(f"models in {model_dir}")
+        python = h.python or hf.python
+        if python:
+            parts.append(f"python {python}")
+        click.echo(f"  {h.label}: {'; '.join(parts)}")
+
+
+@hostfile_group.command("convert")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option(
+    "--to",
+    "fmt",
+    type=click.Choice(["yaml", "json"]),
+    help="Output format; default: the other one (YAML in, mlx.launch JSON out, and back).",
+)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here, not stdout.")
+def hostfile_convert(path, fmt, output):
+    """Convert between our YAML hostfile and mlx.launch's JSON one.
+
+    JSON has one entry per rank and no place for slots, memory_gb, python, cwd, model_dir or
+    ssh options: a host with slots: N becomes N entries, and each dropped field is named on
+    stderr. JSON read back becomes YAML with the same hosts, ips, rdma, backend and env.
+
+    \b
+    Examples:
+      mlx-cluster hostfile convert rig.yaml -o rig.json && mlx.launch --hostfile rig.json ...
+      mlx-cluster hostfile convert rig.json -o rig.yaml
+    """
+    from .hostfile import dump_yaml, mlx_launch_json
+
+    hf = _load(path)
+    fmt = fmt or ("yaml" if path.endswith(".json") else "json")
+    if fmt == "json":
+        data, dropped = mlx_launch_json(hf)
+        text = json.dumps(data, indent=2) + "\n"
+        if dropped:
+            click.echo(
+                "mlx-cluster: mlx.launch's JSON has no place for: " + "; ".join(dropped), err=True
+            )
+    else:
+        text = dump_yaml(hf)
+    if output:
+        with open(output, "w") as f:
+            f.write(text)
+    else:
+        click.echo(text, nl=False)
+
+
+def gather(hf, accept_new: bool) -> dict[str, dict[str, str | None]]:
+    """Each host's outputs of the discovery commands, over SSH (in parallel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .ssh import SSHError, connect, run
+    from .topology import COMMANDS, TopologyError
+
+    def one(host):
+        try:
+            client = connect(host, hf, accept_new)
+        except SSHError as e:
+            raise TopologyError(str(e)) from None
+        outputs: dict[str, str | None] = {}
+        try:
+            for key, (command, _) in COMMANDS.items():
+                status, out, err = run(client, command, timeout=120)
+                if status != 0 and key in ("thunderbolt", "ports"):
+                    raise TopologyError(
+                        f"{host.label}: `{command}` failed ({err.strip() or f'exit {status}'});"
+                        " discover reads the Thunderbolt setup of macOS hosts"
+                    )
+                outputs[key] = out if status == 0 else None
+        finally:
+            client.close()
+        return outputs
+
+    with ThreadPoolExecutor(max_workers=min(8, len(hf.hosts))) as pool:
+        return dict(zip([h.target for h in hf.hosts], pool.map(one, hf.hosts), strict=True))
+
+
+def read_saved(directory: str, names: list[str]) -> dict[str, dict[str, str | None]]:
+    """Outputs saved as DIR/<host>/<file> (see COMMANDS); a missing optional one is None."""
+    from pathlib import Path
+
+    from .topology import COMMANDS, TopologyError
+
+    outputs = {}
+    for name in names:
+        d = Path(directory) / name
+        if not d.is_dir():
+            raise TopologyError(f"{d}: no saved outputs for host {name}")
+        outputs[name] = {
+            key: (d / file).read_text() if (d / file).exists() else None
+            for key, (_, file) in COMMANDS.items()
+        }
+    return outputs
+
+
+def save_outputs(directory: str, outputs: dict[str, dict[str, str | None]]) -> None:
+    from pathlib import Path
+
+    from .topology import COMMANDS
+
+    for name, found in outputs.items():
+        d = Path(directory) / name
+        d.mkdir(parents=True, exist_ok=True)
+        for key, (_, file) in COMMANDS.items():
+            if found.get(key) is not None:
+                (d / file).write_text(found[key])
+
+
+def discovered_yaml(hf, plan) -> str:
+    """The hostfile, checked by our own parser, with each host's setup commands on top."""
+    import yaml
+
+    from .hostfile import parse_hostfile
+
+    data: dict = {"backend": plan.backend}
+    ssh = {k: v for k, v in vars(hf.ssh).items() if v is not None}
+    if ssh:
+        data["ssh"] = ssh
+    data["hosts"] = plan.hosts
+    parse_hostfile(yaml.safe_load(yaml.safe_dump(data)), "<discovered>")
+    lines = [
+        "# Written by `mlx-cluster hostfile discover`. Each host's Thunderbolt addresses (run",
+        "# them there, or pass --apply; macOS forgets them at reboot):",
+    ]
+    for name, commands in plan.commands.items():
+        lines += [f"#   {name}: {c}" for c in commands]
+    body = yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
+    return "\n".join(lines) + "\n" + body
+
+
+def apply_commands(hf, plan, accept_new: bool) -> list[str]:
+    """Run each host's commands with passwordless sudo; the failures, host named."""
+    from .ssh import SSHError, connect, run
+
+    failures = []
+    for host in hf.hosts:
+        commands = plan.commands.get(host.target) or []
+        if not commands:
+            continue
+        script = " && ".join(c.replace("sudo ", "sudo -n ", 1) for c in commands)
+        try:
+            client = connect(host, hf, accept_new)
+            try:
+                status, _, err = run(client, script, timeout=60)
+            finally:
+                client.close()
+        except SSHError as e:
+            failures.append(str(e))
+            continue
+        if status != 0:
+            failures.append(
+                f"{host.label}: the network commands failed ({err.strip() or f'exit {status}'}); "
+                "--apply needs passwordless sudo there, or run them by hand"
+            )
+    return failures
+
+
+@hostfile_group.command("discover")
+@click.option("--hosts", metavar="A,B,...", help="The Macs, as ssh targets ([user@]host[:port]).")
+@click.option(
+    "--hostfile",
+    "from_hostfile",
+    type=click.Path(dir_okay=False),
+    help="Take the hosts and ssh options from this hostfile instead of --hosts.",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["ring", "jaccl", "jaccl-ring"]),
+    help="Default: jaccl when every pair is cabled and RDMA is on everywhere, jaccl-ring when "
+    "the cables make a ring and RDMA is on, else ring (TCP over the cables).",
+)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the hostfile here.")
+@click.option(
+    "--apply", is_flag=True, help="Run each host's network commands there (passwordless sudo)."
+)
+@click.option(
+    "--subnets",
+    default="10.200.0.0/16",
+    show_default=True,
+    help="Pool the /30 subnets of the cables are taken from.",
+)
+@click.option(
+    "--from",
+    "from_dir",
+    type=click.Path(file_okay=False, exists=True),
+    help="Read the commands' outputs saved in DIR/<host>/ instead of asking the hosts.",
+)
+@click.option(
+    "--save", type=click.Path(file_okay=False), help="Save the outputs read to DIR/<host>/."
+)
+@with_options("accept_new_host_keys")
+def hostfile_discover(
+    hosts, from_hostfile, backend, output, apply, subnets, from_dir, save, accept_new_host_keys
+):
+    """Write a hostfile from the Thunderbolt cables between the Macs.
+
+    Over SSH, reads each host's `system_profiler SPThunderboltDataType -json`, `networksetup
+    -listallhardwareports`, `ibv_devices` and en0's address; finds which port leads to which
+    Mac (docks, displays and disks on the bus are ignored), picks a JACCL mesh, a JACCL ring or a
+    TCP ring, gives every cable a /30 subnet, and writes the hostfile (stdout, or -o FILE). The
+    network commands for each host are printed (and written on top of the hostfile); --apply
+    runs them. Errors name the host, or the cables that are missing.
+
+    \b
+    Examples:
+      mlx-cluster hostfile discover --hosts studio-1.local,studio-2.local -o rig.yaml
+      mlx-cluster hostfile discover --hosts m1,m2,m3,m4 --backend jaccl --apply -o rig.yaml
+    """
+    from .hostfile import parse_hostfile, split_target
+    from .topology import TopologyError, parse_node
+    from .topology import plan as make_plan
+
+    if bool(hosts) == bool(from_hostfile):
+        raise click.UsageError("give the Macs with either --hosts A,B,... or --hostfile FILE")
+    if from_hostfile:
+        hf = _load(from_hostfile)
+    else:
+        names = [h.strip() for h in hosts.split(",")]
+        if any(not h for h in names) or len(set(names)) != len(names):
+            raise click.UsageError(f"--hosts {hosts}: empty or repeated host names")
+        for name in names:
+            try:
+                split_target(name)
+            except ValueError as e:
+                raise click.UsageError(f"--hosts: {name}: {e}") from None
+        hf = parse_hostfile({"hosts": names}, "--hosts")
+    try:
+        if from_dir:
+            outputs = read_saved(from_dir, [h.target for h in hf.hosts])
+        else:
+            outputs = gather(hf, accept_new_host_keys)
+        if save:
+            save_outputs(save, outputs)
+        nodes = [parse_node(name, found) for name, found in outputs.items()]
+        plan = make_plan(nodes, backend, subnets)
+    except TopologyError as e:
+        click.echo(f"mlx-cluster: {e}", err=True)
+        sys.exit(1)
+    for note in plan.notes:
+        click.echo(f"mlx-cluster: {note}", err=True)
+    text = discovered_yaml(hf, plan)
+    order = ", ".join(nodes[i].name for i in plan.order)
+    click.echo(f"mlx-cluster: {plan.backend}, ranks in order {order}", err=True)
+    if output:
+        with open(output, "w") as f:
+            f.write(text)
+        for name, commands in plan.commands.items():
+            click.echo(f"# {name}")
+            for c in commands:
+                click.echo(c)
+    else:
+        click.echo(text, nl=False)
+    if apply:
+        failures = apply_commands(hf, plan, accept_new_host_keys)
+        for failure in failures:
+            click.echo(f"mlx-cluster: {failure}", err=True)
+        if failures:
+            sys.exit(1)
+        click.echo("mlx-cluster: network commands applied on every host", err=True)

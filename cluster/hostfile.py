@@ -297,3 +297,57 @@ def rank_model_path(hostfile: Hostfile, host: Host, model: str) -> str:
     if model_dir is None:
         return model
     return f"{model_dir.rstrip('/')}/{model_name(model)}"
+
+
+def hostfile_data(hostfile: Hostfile) -> dict[str, Any]:
+    """Our YAML form of a hostfile: what it says, without the defaults."""
+    data: dict[str, Any] = {"backend": hostfile.backend}
+    for key in ("python", "model_dir"):
+        if getattr(hostfile, key):
+            data[key] = getattr(hostfile, key)
+    if hostfile.env:
+        data["env"] = dict(hostfile.env)
+    ssh = {k: v for k, v in vars(hostfile.ssh).items() if v is not None}
+    if ssh:
+        data["ssh"] = ssh
+    hosts = []
+    for h in hostfile.hosts:
+        entry: dict[str, Any] = {"ssh": h.target}
+        if h.ips:
+            entry["ips"] = list(h.ips)
+        if h.rdma:
+            entry["rdma"] = list(h.rdma)
+        if h.slots != 1:
+            entry["slots"] = h.slots
+        for key in ("memory_gb", "python", "cwd", "model_dir"):
+            if getattr(h, key) is not None:
+                entry[key] = getattr(h, key)
+        hosts.append(entry)
+    data["hosts"] = hosts
+    return data
+
+
+def dump_yaml(hostfile: Hostfile) -> str:
+    return yaml.safe_dump(hostfile_data(hostfile), sort_keys=False, default_flow_style=None)
+
+
+def mlx_launch_json(hostfile: Hostfile) -> tuple[dict[str, Any], list[str]]:
+    """The hostfile as ``mlx.launch --hostfile`` takes it (one entry per rank), and what that
+    format cannot say (dropped fields, named for the user)."""
+    dropped = [f"{key} (top level)" for key in ("python", "model_dir") if getattr(hostfile, key)]
+    if any(v is not None for v in vars(hostfile.ssh).values()):
+        dropped.append("ssh (top level: put user/port in ~/.ssh/config for mlx.launch)")
+    hosts = []
+    for h in hostfile.hosts:
+        extra = [key for key in ("memory_gb", "python", "cwd", "model_dir") if getattr(h, key)]
+        if extra:
+            dropped.append(f"{h.label}: {', '.join(extra)}")
+        ssh = "127.0.0.1" if h.is_local else h.target  # the one name mlx.launch runs here
+        for _ in range(h.slots):  # mlx.launch: one entry per rank
+            hosts.append({"ssh": ssh, "ips": list(h.ips), "rdma": list(h.rdma)})
+    data = {
+        "backend": hostfile.backend,
+        "envs": [f"{k}={v}" for k, v in hostfile.env.items()],
+        "hosts": hosts,
+    }
+    return data, dropped
