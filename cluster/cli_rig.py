@@ -432,3 +432,67 @@ def hostfile_discover(
         if failures:
             sys.exit(1)
         click.echo("mlx-cluster: network commands applied on every host", err=True)
+
+
+@cli.command()
+@with_options(*HOST_OPTIONS[:3], "accept_new_host_keys")
+@click.option(
+    "--python-base",
+    default="python3",
+    show_default=True,
+    help="The interpreter that makes a host's venv when its hostfile python does not exist.",
+)
+@click.option(
+    "--system-site-packages",
+    is_flag=True,
+    help="Let a venv that install makes see the base interpreter's packages.",
+)
+def install(hostfile, num_ranks, backend, accept_new_host_keys, python_base, system_site_packages):
+    """Install this checkout of mlx-cluster on every host, then check versions with doctor.
+
+    Builds a wheel here, copies it to each host over SFTP and installs it with the host's
+    python (the hostfile's `python:`, per host or for all; else python3). When that python is a
+    venv path that does not exist yet (e.g. /Users/me/mlx/bin/python), the venv is made first
+    with --python-base. mlx and mlx-lm are pinned to this machine's versions; the hosts fetch
+    dependencies from their package index. This machine's own python is left alone.
+
+    Exits 1 when a host failed or doctor finds versions that differ.
+
+    \b
+    Example:
+      mlx-cluster install --hostfile rig.yaml
+    """
+    from .doctor import diagnose
+    from .install import InstallError, run_install
+
+    try:
+        hf = resolve_hostfile(hostfile, num_ranks, backend)
+    except HostfileError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo("mlx-cluster: building the wheel and installing it on every host", err=True)
+    try:
+        results = run_install(hf, python_base, system_site_packages, accept_new_host_keys)
+    except InstallError as e:
+        click.echo(f"mlx-cluster: {e}", err=True)
+        sys.exit(1)
+    failed = False
+    for r in results:
+        if r.error:
+            failed = True
+            click.echo(f"{r.host.label}: FAILED: {r.error}")
+        else:
+            click.echo(f"{r.host.label}: {r.action} for {r.python}")
+    reports = diagnose(hf, accept_new=accept_new_host_keys)
+    for report in reports:
+        versions = (report.probe or {}).get("packages") or {}
+        shown = ", ".join(f"{k} {v or 'missing'}" for k, v in versions.items())
+        problems = [
+            p
+            for p in report.problems
+            if "installed" in p or "versions differ" in p or "does not run" in p
+        ]
+        click.echo(f"{report.host.label}: doctor: {shown or 'no probe'}")
+        for p in problems:
+            failed = True
+            click.echo(f"  problem: {p}")
+    sys.exit(1 if failed else 0)
