@@ -168,13 +168,14 @@ def load_shard(
     else:
         if looks_like_repo(ref):
             model_dir = resolve_model(ref)
-        files = sorted(p.name for p in model_dir.glob("model*.safetensors"))
+        files = weight_files_for_layers(model_dir, 0, 2**31, layer_re)  # all the index names
 
     absent = [f for f in files if not (model_dir / f).exists()]
     if absent:
         raise ModelError(
             f"{model_dir}: weight file(s) {', '.join(absent)} named in "
-            "model.safetensors.index.json are missing; the copy or download is incomplete"
+            "model.safetensors.index.json are missing; the copy or download is incomplete "
+            "(after `mlx-cluster sync`: sync again with the --mode and --split you run with)"
         )
     if not vlm:  # (check_shardable has refused tensor mode for vision models)
         model_class = _model_class(config)

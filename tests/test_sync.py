@@ -80,6 +80,10 @@ def test_pipeline_ranks_get_their_files_a_second_sync_sends_nothing_and_ranks_lo
     p = run_cli("launch", "--hostfile", hf, "--model", model, "--max-tokens", 30, PROMPT)
     assert p.returncode == 0, p.stderr
     assert p.stdout == reference(model, PROMPT, 30)
+    # a tensor job on pipeline copies: the rank names the missing files and what to do
+    p = run_cli("launch", "--hostfile", hf, "--model", model, "--mode", "tensor", PROMPT)
+    assert p.returncode == 2
+    assert "are missing" in p.stderr and "sync again with the --mode" in p.stderr
 
 
 def test_truncated_and_corrupt_files_are_sent_again(sshd, models, tmp_path):
