@@ -109,6 +109,9 @@ def sync(hostfile, num_ranks, backend, accept_new_host_keys, model, mode, split,
             if r.error:
                 click.echo(f"{r.host.label}: FAILED: {r.error}")
                 continue
+            if r.same_as is not None:
+                click.echo(f"{r.host.label}: the same directory as host {r.same_as}, copied there")
+                continue
             kinds = {}
             for f in r.files:
                 kinds[f.action] = kinds.get(f.action, 0) + 1
@@ -224,26 +227,24 @@ def gather(hf, accept_new: bool) -> dict[str, dict[str, str | None]]:
     """Each host's outputs of the discovery commands, over SSH (in parallel)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .ssh import SSHError, connect, run
+    from .ssh import SSHError, host_shell
     from .topology import COMMANDS, TopologyError
 
     def one(host):
-        try:
-            client = connect(host, hf, accept_new)
-        except SSHError as e:
-            raise TopologyError(str(e)) from None
         outputs: dict[str, str | None] = {}
         try:
-            for key, (command, _) in COMMANDS.items():
-                status, out, err = run(client, command, timeout=120)
-                if status != 0 and key in ("thunderbolt", "ports"):
-                    raise TopologyError(
-                        f"{host.label}: `{command}` failed ({err.strip() or f'exit {status}'});"
-                        " discover reads the Thunderbolt setup of macOS hosts"
-                    )
-                outputs[key] = out if status == 0 else None
-        finally:
-            client.close()
+            with host_shell(host, hf, accept_new) as run:
+                for key, (command, _) in COMMANDS.items():
+                    status, out, err = run(command, timeout=120)
+                    if status != 0 and key in ("thunderbolt", "ports"):
+                        raise TopologyError(
+                            f"{host.label}: `{command}` failed "
+                            f"({err.strip() or f'exit {status}'}); discover reads the "
+                            "Thunderbolt setup of macOS hosts"
+                        )
+                    outputs[key] = out if status == 0 else None
+        except SSHError as e:
+            raise TopologyError(str(e)) from None
         return outputs
 
     with ThreadPoolExecutor(max_workers=min(8, len(hf.hosts))) as pool:
@@ -305,7 +306,7 @@ def discovered_yaml(hf, plan) -> str:
 
 def apply_commands(hf, plan, accept_new: bool) -> list[str]:
     """Run each host's commands with passwordless sudo; the failures, host named."""
-    from .ssh import SSHError, connect, run
+    from .ssh import SSHError, host_shell
 
     failures = []
     for host in hf.hosts:
@@ -314,11 +315,8 @@ def apply_commands(hf, plan, accept_new: bool) -> list[str]:
             continue
         script = " && ".join(c.replace("sudo ", "sudo -n ", 1) for c in commands)
         try:
-            client = connect(host, hf, accept_new)
-            try:
-                status, _, err = run(client, script, timeout=60)
-            finally:
-                client.close()
+            with host_shell(host, hf, accept_new) as run:
+                status, _, err = run(script, timeout=60)
         except SSHError as e:
             failures.append(str(e))
             continue

@@ -15,9 +15,11 @@ import posixpath
 import queue
 import shlex
 import signal
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +136,29 @@ def run(client: paramiko.SSHClient, command: str, timeout: float = 30.0) -> tupl
     _, out, err = client.exec_command(command, timeout=timeout)
     status = out.channel.recv_exit_status()
     return status, out.read().decode(), err.read().decode()
+
+
+@contextmanager
+def host_shell(
+    host: Host, hostfile: Hostfile, accept_new: bool = False
+) -> Iterator[Callable[..., tuple[int, str, str]]]:
+    """``run(command, timeout)`` for short shell commands on a host: this machine directly,
+    any other over one SSH connection (closed at the end)."""
+    if host.is_local:
+
+        def local(command: str, timeout: float = 30.0) -> tuple[int, str, str]:
+            p = subprocess.run(
+                ["sh", "-c", command], capture_output=True, text=True, timeout=timeout
+            )
+            return p.returncode, p.stdout, p.stderr
+
+        yield local
+        return
+    client = connect(host, hostfile, accept_new)
+    try:
+        yield lambda command, timeout=30.0: run(client, command, timeout)
+    finally:
+        client.close()
 
 
 def env_script(env: dict[str, str]) -> str:

@@ -71,8 +71,9 @@ def host_files(
 class SourceHashes:
     """sha256 of each source file, computed once however many hosts ask."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, stop: threading.Event):
         self.model_dir = model_dir
+        self.stop = stop
         self.hashes: dict[str, str] = {}
         self.locks: dict[str, threading.Lock] = {}
         self.lock = threading.Lock()
@@ -82,14 +83,16 @@ class SourceHashes:
             lock = self.locks.setdefault(name, threading.Lock())
         with lock:
             if name not in self.hashes:
-                self.hashes[name] = file_sha256(self.model_dir / name)
+                self.hashes[name] = file_sha256(self.model_dir / name, self.stop)
             return self.hashes[name]
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, stop: threading.Event | None = None) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK * 8):
+            if stop is not None and stop.is_set():
+                raise Stopped
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -97,8 +100,9 @@ def file_sha256(path: Path) -> str:
 class LocalTarget:
     """A destination directory on this machine."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, stop: threading.Event):
         self.dir = str(Path(directory).expanduser())
+        self.stop = stop
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
@@ -113,7 +117,7 @@ class LocalTarget:
             return None
 
     def sha256(self, path: str) -> str:
-        return file_sha256(Path(path))
+        return file_sha256(Path(path), self.stop)
 
     def append(self, path: str):
         return open(path, "ab")
@@ -131,9 +135,10 @@ class LocalTarget:
 class SFTPTarget:
     """A destination directory on another host: files over SFTP, hashes computed there."""
 
-    def __init__(self, client, directory: str, label: str):
+    def __init__(self, client, directory: str, label: str, stop: threading.Event):
         self.client = client
         self.label = label
+        self.stop = stop
         self.sftp = client.open_sftp()
         home = self.sftp.normalize(".")
         if directory == "~" or directory.startswith("~/"):
@@ -163,12 +168,22 @@ class SFTPTarget:
             return None
 
     def sha256(self, path: str) -> str:
-        q = shlex.quote(path)  # Linux has sha256sum, macOS shasum
-        out = self._run(
-            f"{{ sha256sum {q} 2>/dev/null || shasum -a 256 {q}; }} | cut -d' ' -f1",
-            timeout=3600,
-        )
-        return out.strip()
+        """Hashed on the host (Linux has sha256sum, macOS shasum); Ctrl-C does not wait."""
+        q = shlex.quote(path)
+        command = f"{{ sha256sum {q} 2>/dev/null || shasum -a 256 {q}; }} | cut -d' ' -f1"
+        channel = self.client.get_transport().open_session()
+        try:
+            channel.exec_command(command)
+            while not channel.exit_status_ready():
+                if self.stop.wait(0.1):
+                    raise Stopped
+            out = channel.makefile("rb").read().decode().strip()
+            if channel.recv_exit_status() != 0 or len(out) != 64:
+                err = channel.makefile_stderr("rb").read().decode().strip()
+                raise OSError(f"{self.label}: cannot hash {path}: {err or out or 'no output'}")
+            return out
+        finally:
+            channel.close()
 
     def append(self, path: str):
         f = self.sftp.open(path, "ab")
@@ -203,6 +218,7 @@ class HostResult:
     dest: str | None = None
     files: list[FileResult] = field(default_factory=list)
     error: str | None = None
+    same_as: int | None = None  # another entry of the same host and directory did the copy
 
     @property
     def bytes_sent(self) -> int:
@@ -216,6 +232,7 @@ class HostResult:
             "bytes_sent": self.bytes_sent,
             "files": [vars(f) for f in self.files],
             "error": self.error,
+            "same_as": self.same_as,
         }
 
 
@@ -293,12 +310,14 @@ def sync_host(
         return result
     try:
         if host.is_local:
-            target = LocalTarget(f"{root.rstrip('/')}/{model_name(str(source))}")
+            target = LocalTarget(f"{root.rstrip('/')}/{model_name(str(source))}", stop)
         else:
             from .ssh import connect
 
             client = connect(host, hostfile, accept_new)
-            target = SFTPTarget(client, f"{root.rstrip('/')}/{model_name(str(source))}", host.label)
+            target = SFTPTarget(
+                client, f"{root.rstrip('/')}/{model_name(str(source))}", host.label, stop
+            )
     except Exception as e:  # SSHError names the host and says what to do
         result.error = str(e).removeprefix(f"{host.label}: ")
         return result
@@ -335,9 +354,18 @@ def run_sync(
 
     source = source_dir(model)
     files = host_files(source, hostfile, mode, split, split_weights(hostfile))
-    hashes = SourceHashes(source)
     stop = threading.Event()
-    hosts = hostfile.hosts
+    hashes = SourceHashes(source, stop)
+    leaders: dict[tuple, Host] = {}  # one copy per host and directory, whatever the entries
+    same: dict[int, Host] = {}
+    for h in hostfile.hosts:
+        key = destination(hostfile, h, dest)
+        if key is not None and key in leaders:
+            same[h.index] = leaders[key]
+            files[leaders[key].index] = sorted(set(files[leaders[key].index]) | set(files[h.index]))
+        elif key is not None:
+            leaders[key] = h
+    hosts = [h for h in hostfile.hosts if h.index not in same]
     advances = {
         h.index: progress(h, sum((source / n).stat().st_size for n in files[h.index]))
         for h in hosts
@@ -365,4 +393,20 @@ def run_sync(
         pool.shutdown(wait=True, cancel_futures=True)
         raise KeyboardInterrupt from None
     pool.shutdown()
-    return source, results
+    done = {r.host.index: r for r in results}
+    for h in hostfile.hosts:
+        if h.index in same:
+            leader = done[same[h.index].index]
+            done[h.index] = HostResult(
+                h, leader.dest, error=leader.error, same_as=leader.host.index
+            )
+    return source, [done[h.index] for h in hostfile.hosts]
+
+
+def destination(hostfile: Hostfile, host: Host, dest: str | None) -> tuple | None:
+    """Which machine and directory a host entry's copy goes to (None: it has none)."""
+    root = dest or hostfile.model_dir_of(host)
+    if root is None:
+        return None
+    where = ("this machine",) if host.is_local else (host.hostname, host.port, host.user)
+    return (*where, root.rstrip("/"))

@@ -187,3 +187,37 @@ def test_convert_round_trip_and_mlx_launch_runs_the_json(tmp_path):
     )
     assert p.returncode == 0, p.stderr
     assert sorted(p.stdout.split("\n")[:2]) == ["0 2 2", "1 2 2"]
+
+
+def test_apply_runs_each_hosts_commands_and_names_a_host_that_fails(tmp_path):
+    """Two "hosts" on this machine; a stand-in sudo records what it is asked (no real network
+    command runs) and refuses on one host, as a Mac without passwordless sudo does."""
+    import shutil
+
+    saved = tmp_path / "saved"
+    for name, host in (("a", "localhost"), ("b", "127.0.0.1")):
+        shutil.copytree(FIXTURES / "two-ring" / name, saved / host)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "sudo.log"
+    (bin_dir / "sudo").write_text(
+        f'#!/bin/sh\necho "$*" >> {log}\n'
+        f'case "$*" in *10.200.0.2*netmask*) echo "a password is required" >&2; exit 1;; esac\n'
+    )
+    (bin_dir / "sudo").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    args = ("hostfile", "discover", "--hosts", "localhost,127.0.0.1", "--from", saved)
+    p = run_cli(*args, "-o", tmp_path / "rig.yaml", "--apply", env=env)
+    assert p.returncode == 1
+    assert "host 1 (127.0.0.1): the network commands failed (a password is required)" in p.stderr
+    assert "passwordless sudo" in p.stderr and "host 0" not in p.stderr
+    asked = log.read_text().splitlines()
+    assert asked[:3] == [
+        "-n ifconfig bridge0 down",
+        "-n ifconfig en2 inet 10.200.0.1 netmask 255.255.255.252",
+        "-n route change 10.200.0.2 -interface en2",
+    ]
+    assert asked[3:] == [
+        "-n ifconfig bridge0 down",
+        "-n ifconfig en2 inet 10.200.0.2 netmask 255.255.255.252",
+    ]

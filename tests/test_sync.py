@@ -149,3 +149,56 @@ def test_human_report_and_errors(sshd, models, tmp_path):
     assert p.returncode == 2 and "not in the local Hugging Face cache" in p.stderr
     p = run_cli("sync", "--hostfile", hf)
     assert p.returncode == 2 and "--model is required" in p.stderr
+
+
+def test_entries_of_one_host_and_directory_are_copied_once(models, tmp_path):
+    """Two entries for this machine with the same model_dir (a rank each): one copy, holding
+    both ranks' files, and the second entry says where it went."""
+    model = Path(models["llama"])
+    hf = tmp_path / "rig.yaml"
+    hf.write_text(f"model_dir: {tmp_path / 'm'}\nhosts:\n  - ssh: localhost\n  - ssh: 127.0.0.1\n")
+    p, report = sync("--hostfile", hf, "--model", model)
+    assert p.returncode == 0, p.stderr
+    first, second = report["hosts"]
+    assert second["same_as"] == 0 and second["bytes_sent"] == 0 and second["error"] is None
+    assert {f.name for f in (tmp_path / "m" / "llama").iterdir()} == {
+        f.name for f in model.iterdir()
+    }  # the union of the two pipeline ranks' files: all of them
+    assert first["bytes_sent"] == sum(f.stat().st_size for f in model.iterdir())
+
+
+def test_ctrl_c_keeps_the_partial_copy_and_the_next_sync_resumes_it(sshd, models, tmp_path):
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import time
+
+    from conftest import CLI
+
+    model = tmp_path / "big"
+    shutil.copytree(models["llama"], model)
+    with open(model / "model-extra.safetensors", "wb") as f:  # big enough to be caught mid-copy
+        f.write(os.urandom(300 * 1024 * 1024))
+    hf = rig(sshd, tmp_path)
+    args = [CLI, "sync", "--hostfile", hf, "--model", model, "--mode", "tensor", "--json"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    part = tmp_path / "h1" / "big" / "model-extra.safetensors.part"
+    deadline = time.monotonic() + 120
+    while not (part.exists() and part.stat().st_size > 0):  # the copy of that file is under way
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "run it again to resume" in err
+    kept = part.stat().st_size
+    assert 0 < kept < (model / "model-extra.safetensors").stat().st_size
+
+    p, report = sync("--hostfile", hf, "--model", model, "--mode", "tensor")
+    assert p.returncode == 0, p.stderr
+    f = next(f for f in report["hosts"][1]["files"] if f["name"] == "model-extra.safetensors")
+    assert f["action"] == "resumed" and f["sent"] == f["size"] - kept
+    assert sha(tmp_path / "h1" / "big" / "model-extra.safetensors") == sha(
+        model / "model-extra.safetensors"
+    )
+    assert not part.exists()
