@@ -293,6 +293,7 @@ def sync_host(
     hostfile: Hostfile,
     host: Host,
     source: Path,
+    name: str,
     names: list[str],
     dest_root: str | None,
     source_hash: SourceHashes,
@@ -310,14 +311,12 @@ def sync_host(
         return result
     try:
         if host.is_local:
-            target = LocalTarget(f"{root.rstrip('/')}/{model_name(str(source))}", stop)
+            target = LocalTarget(f"{root.rstrip('/')}/{name}", stop)
         else:
             from .ssh import connect
 
             client = connect(host, hostfile, accept_new)
-            target = SFTPTarget(
-                client, f"{root.rstrip('/')}/{model_name(str(source))}", host.label, stop
-            )
+            target = SFTPTarget(client, f"{root.rstrip('/')}/{name}", host.label, stop)
     except Exception as e:  # SSHError names the host and says what to do
         result.error = str(e).removeprefix(f"{host.label}: ")
         return result
@@ -328,8 +327,8 @@ def sync_host(
             advance(sum(f.size for f in result.files))
             return result
         target.makedirs()
-        for name in names:
-            result.files.append(copy_file(source, target, name, source_hash, advance, stop))
+        for file in names:
+            result.files.append(copy_file(source, target, file, source_hash, advance, stop))
     except Stopped:
         raise
     except Exception as e:
@@ -377,6 +376,7 @@ def run_sync(
             hostfile,
             h,
             source,
+            model_name(str(source) if Path(model).expanduser().is_dir() else model),
             files[h.index],
             dest,
             hashes,

@@ -202,3 +202,36 @@ def test_ctrl_c_keeps_the_partial_copy_and_the_next_sync_resumes_it(sshd, models
         model / "model-extra.safetensors"
     )
     assert not part.exists()
+
+
+def test_a_repo_from_the_local_hugging_face_cache(models, tmp_path):
+    """--model org/name is looked up in this machine's cache, never fetched."""
+    import shutil
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--tiny-llama" / "snapshots" / "0123abcd"
+    shutil.copytree(models["llama"], snapshot)
+    (cache / "models--someone--tiny-llama" / "refs").mkdir()
+    (cache / "models--someone--tiny-llama" / "refs" / "main").write_text("0123abcd")
+    hf = tmp_path / "rig.yaml"
+    hf.write_text(f"model_dir: {tmp_path / 'm'}\nhosts:\n  - ssh: localhost\n    slots: 2\n")
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    p = run_cli("sync", "--json", "--hostfile", hf, "--model", "someone/tiny-llama", env=env)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["model"] == str(snapshot)
+    copied = tmp_path / "m" / "tiny-llama"
+    assert {f.name for f in copied.iterdir()} == {f.name for f in Path(models["llama"]).iterdir()}
+    # and the ranks find it there under the repo's name
+    p = run_cli(
+        "launch",
+        "--hostfile",
+        hf,
+        "--model",
+        "someone/tiny-llama",
+        "--max-tokens",
+        12,
+        PROMPT,
+        env=env,
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == reference(models["llama"], PROMPT, 12)
