@@ -453,6 +453,14 @@ def chat(hostfile, num_ranks, backend, model, stop, **job):
     help="Most prompts prefilled together.",
 )
 @click.option(
+    "--prompt-cache-size",
+    type=click.IntRange(min=0),
+    default=10,
+    show_default=True,
+    help="Finished answers whose KV caches every rank keeps; a request that starts with one "
+    "(a chat sent again with a new turn) prefills only the rest. 0: no cache.",
+)
+@click.option(
     "--drain-timeout",
     type=click.FloatRange(min=0),
     default=30.0,

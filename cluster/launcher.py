@@ -77,6 +77,7 @@ class JobOptions:
     drain_timeout: float = 30.0  # serve: on SIGINT/SIGTERM, longest wait for answers under way
     decode_concurrency: int = 32  # serve: most requests decoded together
     prompt_concurrency: int = 8  # serve: most prompts prefilled together
+    prompt_cache_size: int = 10  # serve: finished answers whose caches are kept (0: none)
     verbose: bool = False
     starting_port: int | None = None
     connections_per_ip: int = 1
@@ -187,6 +188,7 @@ def job_spec(
             "drain_timeout": options.drain_timeout,
             "decode_concurrency": options.decode_concurrency,
             "prompt_concurrency": options.prompt_concurrency,
+            "prompt_cache_size": options.prompt_cache_size,
         }
     if rank == 0:  # the prompt goes only where it is needed
         spec["request"] = {

@@ -6,6 +6,12 @@ random state is seeded alike). So rank 0 decides, once a round, which requests j
 tokens and sampling settings) and which leave (a stop string rank 0 saw, a client gone), shares
 that order (plain JSON, share_object), and every rank applies it and steps the generator for the
 round. Only rank 0 turns tokens into text.
+
+Each rank also keeps the same prompt cache (mlx-lm's LRUPromptCache, holding that rank's own
+layers or slices): a finished answer's cache is kept under its tokens, and a new request starts
+from the longest cached prefix, so a client that sends the conversation again prefills only its
+new turn. Every rank makes the same inserts and lookups in the same order, and eviction is by
+count only (bytes differ from rank to rank), so every rank picks the same prefix.
 """
 
 from __future__ import annotations
@@ -14,13 +20,20 @@ from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
 from .generate import STOP_CHECK_EVERY
 from .memory import reapply_wired_limit
 from .sampling import processors, sampler
 
 ROUND_STEPS = STOP_CHECK_EVERY  # generator steps between two orders of rank 0
+PROMPT_CACHE_SIZE = 10  # finished answers kept, as mlx_lm.server's default
+MODEL_KEY = "served"  # one model per server: every cache entry is under this key
 
 
 def batchable(model) -> bool:
@@ -31,7 +44,17 @@ def batchable(model) -> bool:
 class Lockstep:
     """One rank's batch. Every rank holds the same uids: they come from the same orders."""
 
-    def __init__(self, model, tokenizer, decode_concurrency: int, prompt_concurrency: int):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        decode_concurrency: int,
+        prompt_concurrency: int,
+        prompt_cache_size: int = PROMPT_CACHE_SIZE,
+    ):
+        self.prompt_cache = (
+            LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
+        )
         self.generator = BatchGenerator(
             model,
             stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
@@ -42,24 +65,48 @@ class Lockstep:
         reapply_wired_limit()
         self.live: set[int] = set()  # inserted and not yet finished or removed
 
-    def apply(self, order: dict) -> list[int]:
+    def apply(self, order: dict) -> list[tuple[int, int]]:
         """Insert ``order['insert']`` (requests as node.sampling.settings makes them, with
-        ``tokens``) and drop ``order['remove']``; returns the new uids in order."""
-        uids = []
+        ``tokens``) and drop ``order['remove']``; returns (uid, prompt tokens taken from the
+        cache) for each new request, in order."""
+        joined = []
         for r in order.get("insert", ()):
+            cache, rest = self.nearest(r["tokens"])
             (uid,) = self.generator.insert(
-                [r["tokens"]],
+                [rest],
                 max_tokens=[r["max_tokens"]],
+                caches=[cache],
+                all_tokens=[r["tokens"][: len(r["tokens"]) - len(rest)]],
                 samplers=[sampler(r)],
                 logits_processors=[processors(r, len(r["tokens"]))],
             )
-            uids.append(uid)
-        self.live.update(uids)
+            joined.append((uid, len(r["tokens"]) - len(rest)))
+        self.live.update(uid for uid, _ in joined)
         gone = [u for u in order.get("remove", ()) if u in self.live]
         if gone:
             self.generator.remove(gone)
             self.live.difference_update(gone)
-        return uids
+        return joined
+
+    def nearest(self, tokens: list[int]) -> tuple[list | None, list[int]]:
+        """The cache of the longest cached prefix of ``tokens`` and the tokens after it; at
+        least the last token is left to run, as the generator needs one."""
+        if self.prompt_cache is None:
+            return None, tokens
+        cache, rest = self.prompt_cache.fetch_nearest_cache(MODEL_KEY, tokens)
+        if cache is not None and not rest:  # the whole prompt is cached: run its last token
+            if not can_trim_prompt_cache(cache):
+                return None, tokens
+            trim_prompt_cache(cache, 1)
+            rest = tokens[-1:]
+        return cache, rest
+
+    def keep(self, response) -> None:
+        """A finished answer's cache, under the tokens it holds (every rank alike)."""
+        if self.prompt_cache is not None and response.prompt_cache is not None:
+            self.prompt_cache.insert_cache(
+                MODEL_KEY, list(response.all_tokens), response.prompt_cache
+            )
 
     def round(self, on_token: Callable | None) -> None:
         """Step the generator ROUND_STEPS times (fewer once nothing is left); ``on_token`` (rank
@@ -72,6 +119,7 @@ class Lockstep:
             for r in responses:
                 if r.finish_reason is not None:
                     self.live.discard(r.uid)
+                    self.keep(r)
                 if on_token is not None:
                     on_token(r)
         mx.synchronize(generation_stream)

@@ -219,4 +219,5 @@ def run_chat(loaded, group, spec: dict, emit: Callable, write: Callable[[str], N
             write("\n")
             conversation.add(user, answer.text)
             answer.stats["timings"]["cache_n"] = reused
+            answer.stats["usage"]["prompt_tokens_details"]["cached_tokens"] = reused
             emit("stats", **answer.stats)

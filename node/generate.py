@@ -247,9 +247,11 @@ def answer_stats(
     generated: int,
     finish: str | None,
     ttft: float | None,
+    cached: int = 0,
 ) -> dict:
     """usage and timings in the shape llama-server reports them. ``decoded`` tokens ran at
-    ``generation_tps``; ``generated`` of them count for the answer (not those after a stop)."""
+    ``generation_tps``; ``generated`` of them count for the answer (not those after a stop);
+    ``cached`` of the prompt's tokens came from a prompt cache, not a prefill."""
     prompt_ms = 1000 * prompt_n / prompt_tps if prompt_tps else 0.0
     predicted_ms = 1000 * decoded / generation_tps if generation_tps else 0.0
     return {
@@ -258,6 +260,7 @@ def answer_stats(
             "prompt_tokens": prompt_n,
             "completion_tokens": generated,
             "total_tokens": prompt_n + generated,
+            "prompt_tokens_details": {"cached_tokens": cached},
         },
         "timings": {
             "prompt_n": prompt_n,
@@ -266,7 +269,7 @@ def answer_stats(
             "predicted_n": generated,
             "predicted_ms": predicted_ms,
             "predicted_per_second": generation_tps,
-            "cache_n": 0,
+            "cache_n": cached,
         },
         "time_to_first_token_s": ttft,
     }

@@ -354,6 +354,7 @@ class Live:
     text: AnswerText
     prompt_n: int
     inserted: float
+    cached: int = 0  # prompt tokens that came from the prompt cache
     first: float | None = None
     last: float | None = None
     n: int = 0
@@ -442,14 +443,15 @@ class Scheduler:
             job.chunks.put(RequestError(503, "the server is shutting down", "server_error"))
         self.waiting.clear()
 
-    def bind(self, uids: list[int]) -> None:
+    def bind(self, joined: list[tuple[int, int]]) -> None:
+        """The requests just inserted: (uid, prompt tokens taken from the cache), in order."""
         now = time.perf_counter()
-        for uid, (job, request) in zip(uids, self.inserting, strict=True):
+        for (uid, cached), (job, request) in zip(joined, self.inserting, strict=True):
             text = answer_text(self.tokenizer, request)
             if text.opening:
                 job.chunks.put(text.start())
             self.lives[uid] = Live(
-                job, self.tokenizer.detokenizer, text, len(request["tokens"]), now
+                job, self.tokenizer.detokenizer, text, len(request["tokens"]), now, cached
             )
         self.inserting = []
 
@@ -492,6 +494,7 @@ class Scheduler:
             one.n,
             reason,
             (one.first - one.inserted) if one.first else None,
+            one.cached,
         )
         one.job.result = stats
         one.job.chunks.put(END)
@@ -509,7 +512,7 @@ def run_serve(loaded, group, spec: dict, emit) -> None:
     rank 0 says quit (a drain ended)."""
     import mlx.core as mx
 
-    from .batch import Lockstep, batchable
+    from .batch import PROMPT_CACHE_SIZE, Lockstep, batchable
     from .generate import generate
     from .share import share_object
 
@@ -534,8 +537,19 @@ def run_serve(loaded, group, spec: dict, emit) -> None:
             ) from None
         server.drain_timeout = options.get("drain_timeout", END_OF_INPUT_TIMEOUT_S)
         start_drain_listener(server)
-    # every rank: the same random state and the same decision to batch
-    setup = share_object({"seed": secrets.randbits(31)} if rank0 else None, group)
+    # every rank: the same random state, batch limits and prompt cache (only rank 0's spec
+    # has the serve options; generators with other limits would schedule differently)
+    setup = share_object(
+        {
+            "seed": secrets.randbits(31),
+            "decode_concurrency": options.get("decode_concurrency", 32),
+            "prompt_concurrency": options.get("prompt_concurrency", 8),
+            "prompt_cache_size": options.get("prompt_cache_size", PROMPT_CACHE_SIZE),
+        }
+        if rank0
+        else None,
+        group,
+    )
     if "error" in setup:
         from .share import PeerFailed
 
@@ -546,8 +560,9 @@ def run_serve(loaded, group, spec: dict, emit) -> None:
         Lockstep(
             loaded.model,
             loaded.tokenizer,
-            options.get("decode_concurrency", 32),
-            options.get("prompt_concurrency", 8),
+            setup["decode_concurrency"],
+            setup["prompt_concurrency"],
+            setup["prompt_cache_size"],
         )
         if batched
         else None
@@ -580,9 +595,9 @@ def run_serve(loaded, group, spec: dict, emit) -> None:
                 if rank0:
                     scheduler.single(answer)
                 continue
-            uids = batch.apply(order)
+            joined = batch.apply(order)
             if rank0:
-                scheduler.bind(uids)
+                scheduler.bind(joined)
         if batch is not None:
             batch.round(scheduler.on_token if rank0 else None)
             live = len(batch.live)

@@ -198,6 +198,34 @@ def test_two_hundred_mixed_requests_and_no_rank_restarts(server):
     assert ask(server.client, max_tokens=4).choices[0].message.content == reference
 
 
+def conversation_reference(model_dir, messages, max_tokens: int) -> str:
+    """Single-process mlx-lm, greedy, on the chat template of ``messages``."""
+    from mlx_lm import generate, load
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = load(str(model_dir))
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(0.0))
+
+
+def test_a_conversation_sent_again_prefills_only_its_new_turn(server):
+    first = ask(server.client, max_tokens=16)
+    again = ask(server.client, max_tokens=16)  # the same prompt: all but its last token cached
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    messages = [
+        {"role": "user", "content": PROMPT},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And tuples?"},
+    ]
+    r = server.client.chat.completions.create(
+        model="m", messages=messages, max_tokens=16, temperature=0
+    )
+    assert r.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
+    assert r.choices[0].message.content == conversation_reference(server.model, messages, 16)
+
+
 def test_api_key(tmp_path):
     from tiny import make_model
 
@@ -287,3 +315,19 @@ def test_second_sigint_stops_at_once(tmp_path, models):
         time.sleep(0.05)
     assert served.stop() == 130
     assert "stopped by SIGINT; all ranks stopped" in "".join(served.log)
+
+
+@pytest.mark.parametrize("family, mode", [("llama", "pipeline"), ("qwen2", "tensor")])
+def test_prompt_cache_in_each_mode(tmp_path, family, mode):
+    """Our own pipeline stages (llama) and tensor shards keep caches the same way."""
+    from tiny import make_model
+
+    model = make_model(tmp_path / "m", family, seed=4, chat_template=True)
+    served = Served(model, "--mode", mode)
+    try:
+        answers = [ask(served.client, max_tokens=12) for _ in range(3)]
+        assert {a.choices[0].message.content for a in answers} == {chat_reference(model, 12)}
+        cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
+        assert cached[0] == 0 and cached[1] == cached[2] == answers[0].usage.prompt_tokens - 1
+    finally:
+        assert served.stop() == 0
