@@ -9,7 +9,6 @@ mlx-cluster is missing or broken.
 from __future__ import annotations
 
 import json
-import shlex
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any
 from .backends import rank_envs, ring_ports
 from .hostfile import Host, Hostfile
 from .modelcheck import check_shardable, looks_like_repo, read_config, text_config
-from .process import rank_python
+from .process import rank_python, shell_command
 
 PACKAGES = ("mlx", "mlx-lm", "mlx-cluster")
 JACCL_MIN_MACOS = (26, 2)
@@ -129,7 +128,7 @@ def run_probe(hostfile: Hostfile, host: Host, ports, accept_new: bool) -> HostRe
                 return report
             report.ssh = "ok"
             try:
-                status, out, err = run(client, shlex.join(command), timeout=60)
+                status, out, err = run(client, shell_command(command), timeout=60)
             finally:
                 client.close()
     except FileNotFoundError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shlex
 import shutil
 import subprocess
 import sys
@@ -148,5 +149,18 @@ def make_job_dir() -> Path:
 
 
 def rank_python(host: Host, default: str | None) -> str:
-    """Per-host python, then the hostfile's, then our own here or ``python3`` on other hosts."""
-    return host.python or default or (sys.executable if host.is_local else "python3")
+    """Per-host python, then the hostfile's, then our own here or ``python3`` on other hosts.
+    A ``~/`` path is expanded here for this machine; other hosts expand it in their shell."""
+    python = host.python or default or (sys.executable if host.is_local else "python3")
+    return os.path.expanduser(python) if host.is_local else python
+
+
+def shell_command(argv: list[str]) -> str:
+    """``argv`` for a remote shell; a leading ``~/`` stays outside the quotes, so that the
+    host's shell expands it to that host's home."""
+    first, rest = argv[0], argv[1:]
+    if first.startswith("~/"):
+        first = '"$HOME"/' + shlex.quote(first[2:])
+    else:
+        first = shlex.quote(first)
+    return " ".join([first, *map(shlex.quote, rest)])

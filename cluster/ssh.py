@@ -26,7 +26,7 @@ from pathlib import Path
 import paramiko
 
 from .hostfile import Host, Hostfile
-from .process import RankLaunch, node_command
+from .process import RankLaunch, node_command, shell_command
 
 CONNECT_TIMEOUT_S = 10.0
 STOP_GRACE_S = 5.0
@@ -225,7 +225,7 @@ class RemoteRank:
             sftp.close()
         d = shlex.quote(self.dir)
         cwd = shlex.quote(self.launch.cwd) if self.launch.cwd else d
-        command = shlex.join(node_command(self.launch.python, f"{self.dir}/job.json"))
+        command = shell_command(node_command(self.launch.python, f"{self.dir}/job.json"))
         stdin = "" if self.launch.stdin else " < /dev/null"
         script = f"cd {cwd} && . {d}/env.sh && echo $$ > {d}/pid && exec {command}{stdin}"
         self.channel = self.client.get_transport().open_session()

@@ -2,6 +2,7 @@
 whose ranks run from that venv."""
 
 import hashlib
+import shutil
 import subprocess
 import sys
 from importlib.metadata import version
@@ -25,14 +26,17 @@ def rig(sshd, tmp_path, python: str) -> Path:
 
 
 def test_install_makes_the_venv_installs_this_checkout_and_ranks_run_from_it(
-    sshd, models, tmp_path
+    sshd, models, tmp_path, request
 ):
-    venv = tmp_path / "remote-venv"
-    hf = rig(sshd, tmp_path, str(venv / "bin" / "python"))
+    # a python under ~: each host's shell expands it (the sshd user's home is ours here)
+    name = f".cache/mlx-cluster-test-venv-{tmp_path.name}"
+    venv = Path.home() / name
+    request.addfinalizer(lambda: shutil.rmtree(venv, ignore_errors=True))
+    hf = rig(sshd, tmp_path, f"~/{name}/bin/python")
     base = sys._base_executable  # the sshd session's PATH may not have our python3
     p = run_cli("install", "--hostfile", hf, "--python-base", base, timeout=900)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert f"created venv, installed for {venv}/bin/python" in p.stdout
+    assert f"created venv, installed for ~/{name}/bin/python" in p.stdout
     ours = ", ".join(f"{n} {version(n)}" for n in ("mlx", "mlx-lm", "mlx-cluster"))
     assert f"doctor: {ours}" in p.stdout  # the same versions as here
     assert "problem" not in p.stdout
@@ -56,7 +60,7 @@ def test_install_makes_the_venv_installs_this_checkout_and_ranks_run_from_it(
 
     p = run_cli("install", "--hostfile", hf, timeout=900)  # again: the venv is there now
     assert p.returncode == 0, p.stdout + p.stderr
-    assert f"installed for {venv}/bin/python" in p.stdout and "created" not in p.stdout
+    assert f"installed for ~/{name}/bin/python" in p.stdout and "created" not in p.stdout
 
 
 def test_install_names_a_python_it_cannot_make(sshd, tmp_path):
