@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 
 import click
 
 from .cli import HOST_OPTIONS, cli, resolve_hostfile, with_options
-from .hostfile import HostfileError
+from .doctor import fmt_bytes
+from .hostfile import BACKENDS, HostfileError
 from .modelcheck import ModelError
-
-
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+from .topology import DEFAULT_SUBNETS
 
 
 def stderr_progress():
@@ -112,9 +108,7 @@ def sync(hostfile, num_ranks, backend, accept_new_host_keys, model, mode, split,
             if r.same_as is not None:
                 click.echo(f"{r.host.label}: the same directory as host {r.same_as}, copied there")
                 continue
-            kinds = {}
-            for f in r.files:
-                kinds[f.action] = kinds.get(f.action, 0) + 1
+            kinds = Counter(f.action for f in r.files)
             counts = ", ".join(f"{n} {a}" for a, n in sorted(kinds.items()))
             click.echo(
                 f"{r.host.label}: {len(r.files)} files in {r.dest} ({counts}), "
@@ -233,9 +227,9 @@ def gather(hf, accept_new: bool) -> dict[str, dict[str, str | None]]:
     def one(host):
         outputs: dict[str, str | None] = {}
         try:
-            with host_shell(host, hf, accept_new) as run:
+            with host_shell(host, hf, accept_new) as shell:
                 for key, (command, _) in COMMANDS.items():
-                    status, out, err = run(command, timeout=120)
+                    status, out, err = shell.run(command, timeout=120)
                     if status != 0 and key in ("thunderbolt", "ports"):
                         raise TopologyError(
                             f"{host.label}: `{command}` failed "
@@ -284,24 +278,17 @@ def save_outputs(directory: str, outputs: dict[str, dict[str, str | None]]) -> N
 
 def discovered_yaml(hf, plan) -> str:
     """The hostfile, checked by our own parser, with each host's setup commands on top."""
-    import yaml
+    from .hostfile import dump_yaml, parse_hostfile
 
-    from .hostfile import parse_hostfile
-
-    data: dict = {"backend": plan.backend}
-    ssh = {k: v for k, v in vars(hf.ssh).items() if v is not None}
-    if ssh:
-        data["ssh"] = ssh
-    data["hosts"] = plan.hosts
-    parse_hostfile(yaml.safe_load(yaml.safe_dump(data)), "<discovered>")
+    found = parse_hostfile({"backend": plan.backend, "hosts": plan.hosts}, "<discovered>")
+    found.ssh = hf.ssh  # how to reach the hosts stays as it was given
     lines = [
         "# Written by `mlx-cluster hostfile discover`. Each host's Thunderbolt addresses (run",
         "# them there, or pass --apply; macOS forgets them at reboot):",
     ]
     for name, commands in plan.commands.items():
         lines += [f"#   {name}: {c}" for c in commands]
-    body = yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
-    return "\n".join(lines) + "\n" + body
+    return "\n".join(lines) + "\n" + dump_yaml(found)
 
 
 def apply_commands(hf, plan, accept_new: bool) -> list[str]:
@@ -315,8 +302,8 @@ def apply_commands(hf, plan, accept_new: bool) -> list[str]:
             continue
         script = " && ".join(c.replace("sudo ", "sudo -n ", 1) for c in commands)
         try:
-            with host_shell(host, hf, accept_new) as run:
-                status, _, err = run(script, timeout=60)
+            with host_shell(host, hf, accept_new) as shell:
+                status, _, err = shell.run(script, timeout=60)
         except SSHError as e:
             failures.append(str(e))
             continue
@@ -338,7 +325,7 @@ def apply_commands(hf, plan, accept_new: bool) -> list[str]:
 )
 @click.option(
     "--backend",
-    type=click.Choice(["ring", "jaccl", "jaccl-ring"]),
+    type=click.Choice(BACKENDS),
     help="Default: jaccl when every pair is cabled and RDMA is on everywhere, jaccl-ring when "
     "the cables make a ring and RDMA is on, else ring (TCP over the cables).",
 )
@@ -348,7 +335,7 @@ def apply_commands(hf, plan, accept_new: bool) -> list[str]:
 )
 @click.option(
     "--subnets",
-    default="10.200.0.0/16",
+    default=DEFAULT_SUBNETS,
     show_default=True,
     help="Pool the /30 subnets of the cables are taken from.",
 )

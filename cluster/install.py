@@ -100,16 +100,30 @@ def install_host(
     system_site: bool,
     accept_new: bool,
 ) -> HostInstall:
+    from .ssh import SSHError, host_shell
+
     python = rank_python(host, hostfile.python)
     result = HostInstall(host, python)
     if host.is_local and Path(python).resolve() == Path(sys.executable).resolve():
         result.action = "skipped (the python running this command)"
         return result
     try:
-        if host.is_local:
-            _install_local(result, wheel, base, system_site)
-        else:
-            _install_remote(result, hostfile, wheel, base, system_site, accept_new)
+        with host_shell(host, hostfile, accept_new) as shell:
+            home = shell.run('printf %s "$HOME"')[1]
+            if python.startswith("~/"):
+                python = home + python[1:]
+            found = shell.run(f"command -v {shlex.quote(python)}")[0] == 0
+            make_venv = _needs_venv(found, python)
+            wheels = f"{home}/.cache/mlx-cluster/wheels"
+            shell.run(f"mkdir -p {shlex.quote(wheels)}")
+            shell.put(wheel, f"{wheels}/{wheel.name}")
+            for command in steps(python, f"{wheels}/{wheel.name}", base, system_site, make_venv):
+                status, _, err = shell.run(command, timeout=1800)
+                if status != 0:
+                    raise InstallError(f"`{command}` failed: {tail(err)}")
+        result.action = "created venv, installed" if make_venv else "installed"
+    except SSHError as e:
+        result.error = str(e).removeprefix(f"{host.label}: ")
     except InstallError as e:
         result.error = str(e)
     return result
@@ -124,52 +138,6 @@ def _needs_venv(exists: bool, python: str) -> bool:
             "install could create; set the host's python: in the hostfile"
         )
     return True
-
-
-def _install_local(result: HostInstall, wheel: Path, base: str, system_site: bool) -> None:
-    found = (
-        subprocess.run(
-            ["sh", "-c", f"command -v {shlex.quote(result.python)}"], capture_output=True
-        ).returncode
-        == 0
-    )
-    make_venv = _needs_venv(found, result.python)
-    for command in steps(result.python, str(wheel), base, system_site, make_venv):
-        p = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
-        if p.returncode != 0:
-            raise InstallError(f"`{command}` failed: {tail(p.stderr)}")
-    result.action = "created venv, installed" if make_venv else "installed"
-
-
-def _install_remote(result, hostfile, wheel, base, system_site, accept_new) -> None:
-    from .ssh import SSHError, connect, run
-
-    try:
-        client = connect(result.host, hostfile, accept_new)
-    except SSHError as e:
-        raise InstallError(str(e).removeprefix(f"{result.host.label}: ")) from None
-    try:
-        status, home, err = run(client, 'printf %s "$HOME"')
-        python = result.python
-        if python.startswith("~/"):
-            python = home + python[1:]
-        found = run(client, f"command -v {shlex.quote(python)}")[0] == 0
-        make_venv = _needs_venv(found, python)
-        remote_dir = f"{home}/.cache/mlx-cluster/wheels"
-        run(client, f"mkdir -p {shlex.quote(remote_dir)}")
-        remote_wheel = f"{remote_dir}/{wheel.name}"
-        sftp = client.open_sftp()
-        try:
-            sftp.put(str(wheel), remote_wheel)
-        finally:
-            sftp.close()
-        for command in steps(python, remote_wheel, base, system_site, make_venv):
-            status, _, err = run(client, command, timeout=1800)
-            if status != 0:
-                raise InstallError(f"`{command}` failed: {tail(err)}")
-        result.action = "created venv, installed" if make_venv else "installed"
-    finally:
-        client.close()
 
 
 def run_install(

@@ -14,6 +14,7 @@ import os
 import posixpath
 import queue
 import shlex
+import shutil
 import signal
 import subprocess
 import threading
@@ -138,25 +139,38 @@ def run(client: paramiko.SSHClient, command: str, timeout: float = 30.0) -> tupl
     return status, out.read().decode(), err.read().decode()
 
 
+class Shell:
+    """Short shell commands and file copies on one host: this machine directly, any other
+    over one SSH connection (``host_shell`` opens and closes it)."""
+
+    def __init__(self, client: paramiko.SSHClient | None):
+        self.client = client
+
+    def run(self, command: str, timeout: float = 30.0) -> tuple[int, str, str]:
+        if self.client is not None:
+            return run(self.client, command, timeout)
+        p = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=timeout)
+        return p.returncode, p.stdout, p.stderr
+
+    def put(self, local: Path, remote: str) -> None:
+        if self.client is None:
+            shutil.copyfile(local, remote)
+            return
+        sftp = self.client.open_sftp()
+        try:
+            sftp.put(str(local), remote)
+        finally:
+            sftp.close()
+
+
 @contextmanager
-def host_shell(
-    host: Host, hostfile: Hostfile, accept_new: bool = False
-) -> Iterator[Callable[..., tuple[int, str, str]]]:
-    """``run(command, timeout)`` for short shell commands on a host: this machine directly,
-    any other over one SSH connection (closed at the end)."""
+def host_shell(host: Host, hostfile: Hostfile, accept_new: bool = False) -> Iterator[Shell]:
     if host.is_local:
-
-        def local(command: str, timeout: float = 30.0) -> tuple[int, str, str]:
-            p = subprocess.run(
-                ["sh", "-c", command], capture_output=True, text=True, timeout=timeout
-            )
-            return p.returncode, p.stdout, p.stderr
-
-        yield local
+        yield Shell(None)
         return
     client = connect(host, hostfile, accept_new)
     try:
-        yield lambda command, timeout=30.0: run(client, command, timeout)
+        yield Shell(client)
     finally:
         client.close()
 

@@ -221,3 +221,18 @@ def test_apply_runs_each_hosts_commands_and_names_a_host_that_fails(tmp_path):
         "-n ifconfig bridge0 down",
         "-n ifconfig en2 inet 10.200.0.2 netmask 255.255.255.252",
     ]
+
+
+def test_discover_from_a_hostfile_keeps_how_hosts_are_reached(tmp_path):
+    given = tmp_path / "given.yaml"
+    given.write_text("ssh: {user: me, port: 2222}\nhosts:\n  - ssh: a\n  - ssh: b\n")
+    out = tmp_path / "rig.yaml"
+    p = run_cli(
+        "hostfile", "discover", "--hostfile", given, "--from", FIXTURES / "two-ring", "-o", out
+    )
+    assert p.returncode == 0, p.stderr
+    hf = load_hostfile(out)
+    assert (hf.ssh.user, hf.ssh.port) == ("me", 2222) and [h.ips for h in hf.hosts] == [
+        ["10.200.0.1"],
+        ["10.200.0.2"],
+    ]
