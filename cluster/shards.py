@@ -52,6 +52,13 @@ def weight_files_for_layers(
     return sorted(files)
 
 
+def all_weight_files(model_dir: Path) -> list[str]:
+    """Every weight file of a checkpoint: the model*.safetensors mlx-lm reads, and the ones its
+    index names (which a partial copy may lack)."""
+    present = {p.name for p in model_dir.glob("model*.safetensors")}
+    return sorted(present | set(weight_files_for_layers(model_dir, 0, 2**31)))
+
+
 def rank_weight_files(
     model_dir: Path,
     config: dict[str, Any],
@@ -61,10 +68,9 @@ def rank_weight_files(
     weights: list[float] | None = None,
 ) -> list[list[str]]:
     """Per rank, the weight files it reads: its layers' in pipeline mode, all in tensor mode."""
-    every = sorted(p.name for p in model_dir.glob("model*.safetensors"))
     n = num_layers(config)
     if mode != "pipeline" or size < 2 or n is None:
-        return [every] * size
+        return [all_weight_files(model_dir)] * size
     split = choose_split(config, size, split, weights)
     layer_re = VLM_LAYER_RE if is_vision_model(config) else LAYER_RE
     return [

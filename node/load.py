@@ -28,7 +28,13 @@ from cluster.modelcheck import (
     num_layers,
     read_config,
 )
-from cluster.shards import LAYER_RE, VLM_LAYER_RE, pipeline_range, weight_files_for_layers
+from cluster.shards import (
+    LAYER_RE,
+    VLM_LAYER_RE,
+    all_weight_files,
+    pipeline_range,
+    weight_files_for_layers,
+)
 
 from .stage import apply_stages
 from .vlm import load_vlm
@@ -168,7 +174,7 @@ def load_shard(
     else:
         if looks_like_repo(ref):
             model_dir = resolve_model(ref)
-        files = weight_files_for_layers(model_dir, 0, 2**31, layer_re)  # all the index names
+        files = all_weight_files(model_dir)
 
     absent = [f for f in files if not (model_dir / f).exists()]
     if absent:
