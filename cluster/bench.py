@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import IO
 
@@ -29,19 +29,19 @@ from .backends import free_port_run, rank_envs
 from .hostfile import Hostfile, HostfileError
 from .launcher import (
     Interrupted,
-    JobOptions,
     LaunchError,
     log,
     restore_signals,
     run_job,
     trap_signals,
 )
-from .process import rank_python, write_files
+from .process import STOP_GRACE_S, rank_python, write_files
+from .protocol import BenchRun
+from .spec import BenchSettings, JobSpec, LaunchSettings
 
 OURS, MLX_LM, MLX_LAUNCH = "mlx-cluster", "mlx-lm", "mlx.launch"
 BASELINES = ("single", MLX_LM, MLX_LAUNCH)
 DEFAULT_BASELINES = ("single", MLX_LM)
-STOP_GRACE_S = 5.0
 TRIAL = re.compile(
     r"Trial \d+:\s+prompt_tps=([\d.]+), generation_tps=([\d.]+), peak_memory=([\d.]+)"
 )
@@ -49,15 +49,14 @@ SPREAD_KEYS = ("ttft_s", "prefill_tps", "generation_tps")  # figures of each tim
 UNSUPPORTED = ("does not support", "model.safetensors.index.json")
 
 
-@dataclass
-class BenchPlan:
+@dataclass(kw_only=True)
+class BenchPlan(BenchSettings):
+    """The sweep: every configuration's runs (BenchSettings), what to run and against what."""
+
     model: str
     modes: list[str]
     ranks: list[int]
-    prompt_tokens: int = 512
-    gen_tokens: int = 128
-    repeat: int = 3
-    warmup: int = 1
+    blas: str = "auto"  # as JobSpec.blas, for our ranks and the mlx-lm baselines alike
     baselines: tuple[str, ...] = DEFAULT_BASELINES
     baseline_timeout: float = 1800.0
 
@@ -163,33 +162,29 @@ def critical_collectives(per_rank: list[dict[str, int]]) -> int:
     return sends + group
 
 
-def run_ours(config: Config, plan: BenchPlan, hostfile: Hostfile, job: dict, stderr) -> dict:
+def run_ours(
+    config: Config, plan: BenchPlan, hostfile: Hostfile, launch: LaunchSettings, stderr
+) -> dict:
     row = blank(config, plan)
     hf = first_ranks(hostfile, config.ranks)
     row["command"] = our_command(config, plan, hostfile)
-    options = JobOptions(
+    spec = JobSpec(
         model=plan.model,
-        prompt="",
         mode=config.mode or "pipeline",
         command="bench",
-        bench={
-            "prompt_tokens": plan.prompt_tokens,
-            "gen_tokens": plan.gen_tokens,
-            "warmup": plan.warmup,
-            "repeat": plan.repeat,
-        },
-        **job,
+        blas=plan.blas,
+        bench=BenchSettings(**{f.name: getattr(plan, f.name) for f in fields(BenchSettings)}),
     )
     try:
-        result = run_job(hf, options, stdout=io.BytesIO(), stderr=stderr)
+        result = run_job(hf, spec, launch, stdout=io.BytesIO(), stderr=stderr)
     except LaunchError as e:
         if e.exit_code >= 128:  # Ctrl-C or a signal: the sweep stops here
             raise
         row["status"], row["reason"] = "failed", str(e).removeprefix("error: ")
         return row
-    runs = [e for e in result.bench if e["event"] == "bench_run"]
-    row["runs"] = [_run_fields(e) for e in runs if not e["warmup"]]
-    shas = {e["tokens_sha"] for e in runs}
+    runs = result.bench_runs
+    row["runs"] = [_run_fields(e) for e in runs if not e.warmup]
+    shas = {e.tokens_sha for e in runs}
     row["tokens_sha"] = shas.pop() if len(shas) == 1 else None  # None: runs disagreed
     summarise_runs(row)
     loads = [x for x in result.load_s if x is not None]
@@ -197,13 +192,13 @@ def run_ours(config: Config, plan: BenchPlan, hostfile: Hostfile, job: dict, std
     row["ready_s"] = result.ready_s
     row["start_to_first_token_s"] = result.first_token_s
     row["peak_memory_gb"] = result.peak_memory_gb
-    comm = sorted((e for e in result.bench if e["event"] == "bench_comm"), key=lambda e: e["rank"])
+    comm = [e for _, e in sorted(result.bench_comm, key=lambda x: x[0])]
     if config.ranks > 1 and comm:
-        per_rank = [e["counts"] for e in comm]
+        per_rank = [e.counts for e in comm]
         row["collectives"] = per_rank
         row["collectives_per_token"] = critical_collectives(per_rank)
-        row["allsum_bytes"] = comm[0].get("allsum_bytes")
-        row["allsum_latency_s"] = comm[0].get("allsum_latency_s")
+        row["allsum_bytes"] = comm[0].allsum_bytes
+        row["allsum_latency_s"] = comm[0].allsum_latency_s
         row["comm_s_per_token"] = row["collectives_per_token"] * row["allsum_latency_s"]
         gen = row["generation_tps"]
         if gen:
@@ -211,8 +206,8 @@ def run_ours(config: Config, plan: BenchPlan, hostfile: Hostfile, job: dict, std
     return row
 
 
-def _run_fields(event: dict) -> dict:
-    return {k: event[k] for k in ("ttft_s", "prefill_tps", "generation_tps", "generated")}
+def _run_fields(event: BenchRun) -> dict:
+    return {k: getattr(event, k) for k in ("ttft_s", "prefill_tps", "generation_tps", "generated")}
 
 
 def our_command(config: Config, plan: BenchPlan, hostfile: Hostfile) -> str:
@@ -430,26 +425,28 @@ def _ratios(row: dict, base: dict) -> dict:
     }
 
 
-def run_sweep(plan: BenchPlan, hostfile: Hostfile, job: dict, stderr: IO[str]) -> list[dict]:
+def run_sweep(
+    plan: BenchPlan, hostfile: Hostfile, launch: LaunchSettings, stderr: IO[str]
+) -> list[dict]:
     """Every configuration in turn. Ctrl-C or a signal stops the sweep: SweepStopped, with
     the rows done so far."""
     rows: list[dict] = []
     todo = configs(plan)
     previous = trap_signals()  # Ctrl-C between two jobs stops the sweep too
     try:
-        _sweep(todo, rows, plan, hostfile, job, stderr)
+        _sweep(todo, rows, plan, hostfile, launch, stderr)
     finally:
         restore_signals(previous)
     add_ratios(rows)
     return rows
 
 
-def _sweep(todo, rows, plan, hostfile, job, stderr) -> None:
+def _sweep(todo, rows, plan, hostfile, launch, stderr) -> None:
     try:
         for i, config in enumerate(todo, start=1):
             log(stderr, f"bench [{i}/{len(todo)}] {config.label}")
             if config.impl == OURS:
-                row = run_ours(config, plan, hostfile, job, stderr)
+                row = run_ours(config, plan, hostfile, launch, stderr)
             else:
                 row = run_mlx_lm(config, plan, hostfile, stderr)
             if row["status"] != "ok":

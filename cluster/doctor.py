@@ -1,8 +1,9 @@
 """`mlx-cluster doctor`: is every host of a hostfile ready to run a job?
 
 One probe per host (a short Python program run with the host's own interpreter, locally or over
-SSH) reports versions, memory, busy ports and RDMA devices; the checks compare them across hosts
-and against the model's share. The probe imports nothing of ours, so it also works where
+SSH) reports versions, memory, busy ports, RDMA devices and, on Linux, the BLAS the ranks will
+use with a measured GFLOP/s; the checks compare them across hosts and against the model's share
+(split as launch splits it). The probe imports nothing of ours, so it also works where
 mlx-cluster is missing or broken.
 """
 
@@ -16,13 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from .backends import rank_envs, ring_ports
-from .hostfile import Host, Hostfile
-from .modelcheck import check_shardable, looks_like_repo, read_config, text_config
+from .blas import INSTALL_HINT, OPENBLAS_PATHS
+from .hostfile import Host, Hostfile, split_weights
+from .modelcheck import check_shardable, choose_split, looks_like_repo, read_config, text_config
 from .process import rank_python, shell_command
+from .shards import pipeline_split
 
 PACKAGES = ("mlx", "mlx-lm", "mlx-cluster")
 JACCL_MIN_MACOS = (26, 2)
 FIT_FRACTION = 0.85  # of a host's memory a rank's weights may take
+# Problem kinds that `install` reports after installing (the others are the rig's, not its)
+INSTALL_PROBLEMS = ("python", "package", "versions")
 
 PROBE = r"""
 import json, os, platform, shutil, socket, subprocess, sys
@@ -50,6 +55,25 @@ for ip, port in args["ports"]:
     finally:
         s.close()
 out["busy_ports"] = busy
+if sys.platform == "linux":  # the BLAS the ranks will use (cluster.blas), and its speed
+    lib = next((p for p in args["blas_paths"] if os.path.exists(p)), None)
+    env = dict(os.environ)
+    if lib:
+        env["LD_PRELOAD"] = lib
+        env["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args["ranks"]))
+    bench = ("import time, mlx.core as mx\n"
+             "a = mx.random.normal((256, 1024)); b = mx.random.normal((1024, 1024))\n"
+             "mx.eval(a @ b)\n"
+             "t = time.perf_counter(); n = 3\n"
+             "for _ in range(n): mx.eval(a @ b)\n"
+             "print(2 * 256 * 1024 * 1024 * n / (time.perf_counter() - t) / 1e9)\n")
+    try:
+        p = subprocess.run([sys.executable, "-c", bench], env=env, capture_output=True,
+                           text=True, timeout=60)
+        gflops = float(p.stdout.strip()) if p.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError):
+        gflops = None
+    out["blas"] = {"library": lib, "gflops": gflops}
 if args["rdma"]:
     exe = shutil.which("ibv_devices")
     if exe is None:
@@ -62,13 +86,25 @@ print(json.dumps(out))
 
 
 @dataclass
+class Problem:
+    """What keeps a host from running a job; ``kind`` says which check found it."""
+
+    kind: str  # ssh, python, package, versions, ports, jaccl, memory
+    message: str
+
+
+@dataclass
 class HostReport:
     host: Host
     ranks: list[int]
     ssh: str = "local"
     probe: dict[str, Any] | None = None
     share_bytes: int | None = None
-    problems: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # worth knowing; does not fail the host
+
+    def problem(self, kind: str, message: str) -> None:
+        self.problems.append(Problem(kind, message))
 
     @property
     def ok(self) -> bool:
@@ -89,8 +125,10 @@ class HostReport:
             "model_share_bytes": self.share_bytes,
             "busy_ports": p.get("busy_ports"),
             "ibv_devices": p.get("ibv_devices"),
+            "blas": p.get("blas"),
             "ok": self.ok,
-            "problems": self.problems,
+            "problems": [x.message for x in self.problems],
+            "notes": self.notes,
         }
 
     def _memory(self) -> int | None:
@@ -105,6 +143,8 @@ def probe_args(hostfile: Hostfile, host: Host, ports: list[tuple[str, int]]) -> 
             "packages": PACKAGES,
             "ports": ports,
             "rdma": bool(host.rdma) or hostfile.backend != "ring",
+            "blas_paths": OPENBLAS_PATHS,
+            "ranks": host.slots,
         }
     )
 
@@ -124,7 +164,7 @@ def run_probe(hostfile: Hostfile, host: Host, ports, accept_new: bool) -> HostRe
                 client = connect(host, hostfile, accept_new)
             except SSHError as e:
                 report.ssh = "failed"
-                report.problems.append(str(e).removeprefix(f"{host.label}: "))
+                report.problem("ssh", str(e).removeprefix(f"{host.label}: "))
                 return report
             report.ssh = "ok"
             try:
@@ -137,24 +177,29 @@ def run_probe(hostfile: Hostfile, host: Host, ports, accept_new: bool) -> HostRe
         status, out, err = 124, "", "the probe did not finish within 60 s"
     if status != 0:
         last = err.strip().splitlines()[-1] if err.strip() else f"exit status {status}"
-        report.problems.append(f"python {python} does not run: {last}")
+        report.problem("python", f"python {python} does not run: {last}")
         return report
     report.probe = json.loads(out)
     return report
 
 
-def planned_ports(hostfile: Hostfile, starting_port: int | None) -> dict[int, list]:
+def planned_ports(
+    hostfile: Hostfile, starting_port: int | None, connections_per_ip: int = 1
+) -> dict[int, list]:
     """Per host, the ring ports its ranks will bind (when known before the job starts)."""
     if hostfile.backend != "ring" or hostfile.world_size == 1:
         return {}
     ports: dict[int, list] = {}
-    for env in rank_envs(hostfile, starting_port):
+    for env in rank_envs(hostfile, starting_port, connections_per_ip):
         ports.setdefault(env.host.index, []).extend(ring_ports(env.files, env.rank))
     return ports
 
 
-def model_shares(model: str, mode: str, hostfile: Hostfile) -> dict[int, int]:
-    """Bytes of weights each rank holds (pipeline: its layers' share, plus embeddings/head)."""
+def model_shares(
+    model: str, mode: str, hostfile: Hostfile, split: list[int] | None = None
+) -> dict[int, int]:
+    """Bytes of weights each rank holds (pipeline: its layers' share, plus embeddings/head),
+    with the split launch would use (``split``, else by memory_gb, else even)."""
     path = Path(model).expanduser()
     config = read_config(path)
     n = hostfile.world_size
@@ -165,8 +210,7 @@ def model_shares(model: str, mode: str, hostfile: Hostfile) -> dict[int, int]:
     if mode == "tensor":
         return dict.fromkeys(range(n), total // n)
     layers = text_config(config).get("num_hidden_layers") or n
-    base, extra = divmod(layers, n)
-    split = [base + (1 if r < extra else 0) for r in range(n)]
+    split = pipeline_split(layers, n, choose_split(config, n, split, split_weights(hostfile)))
     per_layer = total / (layers + 2)  # embeddings and head counted as about two layers each
     return {r: int(per_layer * (split[r] + 2)) for r in range(n)}
 
@@ -177,8 +221,10 @@ def diagnose(
     mode: str = "pipeline",
     starting_port: int | None = None,
     accept_new: bool = False,
+    connections_per_ip: int = 1,
+    split: list[int] | None = None,
 ) -> list[HostReport]:
-    ports = planned_ports(hostfile, starting_port)
+    ports = planned_ports(hostfile, starting_port, connections_per_ip)
     with ThreadPoolExecutor(max_workers=min(16, len(hostfile.hosts))) as pool:
         reports = list(
             pool.map(
@@ -195,56 +241,80 @@ def diagnose(
         versions = {r.probe["packages"][name] for r in probed}
         for r in probed:
             if r.probe["packages"][name] is None:
-                r.problems.append(f"{name} is not installed for {r.probe['python']}")
+                r.problem("package", f"{name} is not installed for {r.probe['python']}")
         if len(versions - {None}) > 1:
             seen = ", ".join(f"{r.host.target}: {r.probe['packages'][name]}" for r in probed)
             for r in probed:
-                r.problems.append(f"{name} versions differ across hosts ({seen})")
+                r.problem("versions", f"{name} versions differ across hosts ({seen})")
     for r in probed:
         for busy in r.probe.get("busy_ports") or []:
-            r.problems.append(f"ring port {busy} is in use; pass another --starting-port")
+            r.problem("ports", f"ring port {busy} is in use; pass another --starting-port")
         if hostfile.backend != "ring":
             _check_jaccl(r)
+        _check_blas(r)
 
     if model and not looks_like_repo(model) and Path(model).expanduser().exists():
-        shares = model_shares(model, mode, hostfile)
+        shares = model_shares(model, mode, hostfile, split)
         for r in reports:
             r.share_bytes = sum(shares[k] for k in r.ranks)
             memory = r._memory()
             if memory and r.share_bytes > FIT_FRACTION * memory:
-                r.problems.append(
+                r.problem(
+                    "memory",
                     f"the model's share for ranks {r.ranks} ({r.share_bytes / 1e9:.1f} GB in "
                     f"{mode} mode) does not fit in {FIT_FRACTION:.0%} of "
-                    f"{memory / 1e9:.1f} GB; add hosts or use a smaller quantization"
+                    f"{memory / 1e9:.1f} GB; add hosts or use a smaller quantization",
                 )
     return reports
+
+
+def _check_blas(r: HostReport) -> None:
+    """A Linux host's BLAS: a note, never a failure (the reference one is only slow)."""
+    blas = r.probe.get("blas")
+    if blas is not None and not blas.get("library"):
+        r.notes.append(
+            f"the ranks would use the reference BLAS bundled with mlx[cpu] ({blas_cell(blas)}), "
+            f"about 25x slower than OpenBLAS; {INSTALL_HINT}"
+        )
+
+
+def blas_cell(blas: dict | None) -> str:
+    """The BLAS a Linux host's ranks use and its measured speed; '-' elsewhere."""
+    if blas is None:
+        return "-"
+    name = "openblas" if blas.get("library") else "reference"
+    speed = f"{blas['gflops']:.0f} GFLOP/s" if blas.get("gflops") else "not measured"
+    return f"{name} {speed}"
 
 
 def _check_jaccl(r: HostReport) -> None:
     probe = r.probe
     macos = probe.get("macos")
+    need = ".".join(map(str, JACCL_MIN_MACOS))
     if probe.get("system") != "Darwin":
-        r.problems.append(
-            f"JACCL needs macOS {'.'.join(map(str, JACCL_MIN_MACOS))}+ with "
-            f"Thunderbolt 5; this host runs {probe.get('system')}"
+        r.problem(
+            "jaccl",
+            f"JACCL needs macOS {need}+ with Thunderbolt 5; this host runs {probe.get('system')}",
         )
     elif tuple(int(x) for x in macos.split(".")[:2]) < JACCL_MIN_MACOS:
-        r.problems.append(f"JACCL needs macOS 26.2 or later; this host has {macos}")
+        r.problem("jaccl", f"JACCL needs macOS {need} or later; this host has {macos}")
     devices = probe.get("ibv_devices")
     wanted = {
         d for cell in r.host.rdma if cell for d in ([cell] if isinstance(cell, str) else cell)
     }
     if devices is None:
-        r.problems.append(
+        r.problem(
+            "jaccl",
             "ibv_devices not found: RDMA is not available (enable it with "
-            "`rdma_ctl enable` in Recovery)"
+            "`rdma_ctl enable` in Recovery)",
         )
     else:
         missing = sorted(wanted - set(devices))
         if missing:
-            r.problems.append(
+            r.problem(
+                "jaccl",
                 f"RDMA device(s) {', '.join(missing)} from the hostfile are not "
-                f"in ibv_devices ({', '.join(devices) or 'none'})"
+                f"in ibv_devices ({', '.join(devices) or 'none'})",
             )
 
 
@@ -262,6 +332,7 @@ def render(reports: list[HostReport]) -> str:
         "SSH",
         "PYTHON",
         *(p.upper() for p in PACKAGES),
+        "BLAS",
         "MEMORY",
         "MODEL SHARE",
         "STATUS",
@@ -278,6 +349,7 @@ def render(reports: list[HostReport]) -> str:
                 r.ssh,
                 p.get("python_version") or "-",
                 *versions,
+                blas_cell(p.get("blas")),
                 f"{memory / 1e9:.1f} GB" if memory else "-",
                 f"{r.share_bytes / 1e9:.2f} GB" if r.share_bytes is not None else "-",
                 "ok" if r.ok else "FAIL",
@@ -288,5 +360,7 @@ def render(reports: list[HostReport]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
     for r in reports:
-        lines.extend(f"host {r.host.index} ({r.host.target}): {problem}" for problem in r.problems)
+        where = f"host {r.host.index} ({r.host.target})"
+        lines.extend(f"{where}: {p.message}" for p in r.problems)
+        lines.extend(f"{where}: note: {note}" for note in r.notes)
     return "\n".join(lines) + "\n"

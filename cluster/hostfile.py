@@ -351,3 +351,12 @@ def mlx_launch_json(hostfile: Hostfile) -> tuple[dict[str, Any], list[str]]:
         "hosts": hosts,
     }
     return data, dropped
+
+
+def split_weights(hostfile: Hostfile) -> list[float] | None:
+    """Per-rank memory (a host's memory_gb shared by its slots) when every host gives it: the
+    weights of a pipeline split (launch, sync and doctor alike)."""
+    hosts = hostfile.rank_hosts()
+    if not all(h.memory_gb for h in hosts):
+        return None
+    return [h.memory_gb / h.slots for h in hosts]

@@ -2,13 +2,12 @@
 
 Whatever happens (a rank fails, the user presses Ctrl-C, the launcher gets SIGTERM), every rank
 is stopped and waited for before we return, and the report names the rank, its host, what it
-was doing and the last lines it printed.
+was doing and the last lines it printed. The bookkeeping (who said what, who failed first) is
+``cluster.jobstate``; this module is the I/O around it.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import queue
 import shutil
@@ -16,13 +15,24 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from .backends import port_in_use, rank_envs, ring_ports
-from .hostfile import Hostfile, rank_model_path
+from .hostfile import Hostfile, rank_model_path, split_weights
+from .jobstate import (
+    JobResult,
+    JobState,
+    RankState,
+    culprit,
+    failure_report,
+    on_error,
+    on_event,
+    on_text,
+    overdue,
+    ready_line,
+)
 from .modelcheck import (
     ModelError,
     check_request,
@@ -31,12 +41,9 @@ from .modelcheck import (
     looks_like_repo,
     read_config,
 )
-from .process import LocalRank, RankLaunch, make_job_dir, rank_python
-from .protocol import CANCEL, END_OF_INPUT, decode_event
-
-EXIT_PEER_FAILED = 3  # a rank that stopped because rank 0 failed (see node.__main__)
-TAIL_LINES = 15
-STOP_GRACE_S = 5.0
+from .process import STOP_GRACE_S, LocalRank, RankLaunch, make_job_dir, rank_python
+from .protocol import CANCEL, END_OF_INPUT, AwaitingInput, Error, Ready, decode_event
+from .spec import JobSpec, LaunchSettings
 
 
 class LaunchError(RuntimeError):
@@ -47,107 +54,34 @@ class LaunchError(RuntimeError):
         self.exit_code = exit_code
 
 
-class Interrupted(Exception):
+class Interrupted(BaseException):
+    """A signal that ends the job; a BaseException (like KeyboardInterrupt) so that no
+    ``except Exception`` on the way (a rank that fails to start) takes it for an error."""
+
     def __init__(self, signum: int):
         self.signum = signum
 
 
-@dataclass
-class JobOptions:
-    model: str
-    prompt: str
-    mode: str = "pipeline"
-    max_tokens: int = 256
-    temp: float = 0.0
-    seed: int | None = None
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    stop: list[str] = field(default_factory=list)  # stop strings (rank 0 decides, all agree)
-    system: str | None = None  # the system prompt (through the chat template)
-    tools: list | None = None  # tool schemas for the chat template
-    enable_thinking: bool | None = None  # passed to the chat template when set
-    reasoning_effort: str | None = None  # passed to the chat template when set
-    prompt_cache_gb: float = 4.0  # chat: the most KV cache each rank keeps between turns
-    serve_host: str = "127.0.0.1"  # serve: where rank 0 listens
-    serve_port: int = 8080
-    api_key: str | None = None  # serve: clients must send it; travels in rank 0's spec file
-    drain_timeout: float = 30.0  # serve: on SIGINT/SIGTERM, longest wait for answers under way
-    decode_concurrency: int = 32  # serve: most requests decoded together
-    prompt_concurrency: int = 8  # serve: most prompts prefilled together
-    prompt_cache_size: int = 10  # serve: finished answers whose caches are kept (0: none)
-    verbose: bool = False
-    starting_port: int | None = None
-    connections_per_ip: int = 1
-    heartbeat_timeout: float = 30.0
-    start_timeout: float = 1800.0
-    accept_new_host_keys: bool = False
-    forward_stdin: bool = False  # our stdin goes on to rank 0 (interactive chat)
-    split: list[int] | None = None  # pipeline layers per rank (rank 0 holds the last layers)
-    image: bytes | None = None  # for a vision-language model; only rank 0's spec carries it
-    command: str = "generate"  # or "logits": print the prompt's next-token logits as JSON
-    bench: dict | None = None  # bench: prompt_tokens, gen_tokens, warmup, repeat (every rank)
-
-
-@dataclass
-class RankState:
-    rank: int
-    host: str
-    phase: str = "starting"
-    host_is_local: bool = True
-    unresponsive: bool = False  # given up on by the launcher (heartbeat or start timeout)
-    error_t: float | None = None  # when the rank reported its own error (its own clock)
-    stopped_by_us: bool = False  # still running when the launcher began the teardown
-    last_seen: float = 0.0
-    exit_code: int | None = None
-    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    error: str | None = None
-    bad_model: bool = False  # its error says the model cannot be served as asked
-    peak_memory_gb: float | None = None  # reported by the rank when its work is done
-    load_s: float | None = None  # how long the rank took to load its shard
-
-
-@dataclass
-class JobResult:
-    exit_code: int
-    stats: dict[str, Any] | None = None
-    first_token_s: float | None = None
-    ready_s: float | None = None
-    peak_memory_gb: list[float | None] = field(default_factory=list)  # per rank, rank 0 first
-    load_s: list[float | None] = field(default_factory=list)  # per rank
-    bench: list[dict] = field(default_factory=list)  # bench_* events, each with its "rank"
-
-
-def split_weights(hostfile: Hostfile) -> list[float] | None:
-    """Per-rank memory (a host's memory_gb shared by its slots) when every host gives it."""
-    hosts = hostfile.rank_hosts()
-    if not all(h.memory_gb for h in hosts):
-        return None
-    return [h.memory_gb / h.slots for h in hosts]
-
-
-def preflight(hostfile: Hostfile, options: JobOptions) -> list[int] | None:
+def preflight(hostfile: Hostfile, spec: JobSpec) -> list[int] | None:
     """Checks that need no rank: the model's config (when it is here). Returns the pipeline
     split when one is chosen (explicit or by memory), None for the even split."""
     n = hostfile.world_size
-    if options.split and (options.mode != "pipeline" or n < 2):
+    if spec.split and (spec.mode != "pipeline" or n < 2):
         raise ModelError("--split is for pipeline mode with 2 or more ranks")
-    path = Path(options.model).expanduser()
+    path = Path(spec.model).expanduser()
     elsewhere = not path.exists() and not all(h.is_local for h in hostfile.hosts)
-    if looks_like_repo(options.model) or elsewhere:  # the hosts fetch or hold it; each checks
-        check_shardable({}, options.mode, n)
-        return options.split
+    if looks_like_repo(spec.model) or elsewhere:  # the hosts fetch or hold it; each checks
+        check_shardable({}, spec.mode, n)
+        return spec.split
     config = read_config(path)
-    check_shardable(config, options.mode, n)
-    check_request(config, options.command, options.image is not None, options.model)
-    if options.mode != "pipeline":
+    check_shardable(config, spec.mode, n)
+    check_request(config, spec.command, spec.request.image is not None, spec.model)
+    if spec.mode != "pipeline":
         return None
-    return choose_split(config, n, options.split, split_weights(hostfile))
+    return choose_split(config, n, spec.split, split_weights(hostfile))
 
 
-def check_ports(hostfile: Hostfile, launches: list[RankLaunch]) -> None:
+def check_ports(launches: list[RankLaunch]) -> None:
     """A ring port that is taken on this machine fails fast with the rank and port named."""
     for launch in launches:
         if not launch.host.is_local:
@@ -161,62 +95,13 @@ def check_ports(hostfile: Hostfile, launches: list[RankLaunch]) -> None:
                 )
 
 
-def job_spec(
-    options: JobOptions,
-    world_size: int,
-    rank: int,
-    weights: list[float] | None = None,
-    model: str | None = None,
-) -> str:
-    """One rank's job; ``model`` is where that rank loads the model from (default: as given)."""
-    spec: dict[str, Any] = {
-        "command": options.command,
-        "model": model or options.model,
-        "mode": options.mode,
-        "world_size": world_size,
-        "split": options.split,
-        "split_weights": weights,
-        "prompt_cache_gb": options.prompt_cache_gb,
-    }
-    if options.bench is not None:
-        spec["bench"] = options.bench
-    if rank == 0 and options.command == "serve":
-        spec["serve"] = {
-            "host": options.serve_host,
-            "port": options.serve_port,
-            "api_key": options.api_key,
-            "drain_timeout": options.drain_timeout,
-            "decode_concurrency": options.decode_concurrency,
-            "prompt_concurrency": options.prompt_concurrency,
-            "prompt_cache_size": options.prompt_cache_size,
-        }
-    if rank == 0:  # the prompt goes only where it is needed
-        spec["request"] = {
-            "prompt": options.prompt,
-            "max_tokens": options.max_tokens,
-            "temp": options.temp,
-            "seed": options.seed,
-            "top_p": options.top_p,
-            "top_k": options.top_k,
-            "min_p": options.min_p,
-            "repetition_penalty": options.repetition_penalty,
-            "presence_penalty": options.presence_penalty,
-            "stop": list(options.stop),
-            "system": options.system,
-            "tools": options.tools,
-            "enable_thinking": options.enable_thinking,
-            "reasoning_effort": options.reasoning_effort,
-        }
-        if options.image is not None:  # the spec is a JSON file: the bytes travel as base64
-            spec["request"]["image_b64"] = base64.b64encode(options.image).decode()
-    return json.dumps(spec)
-
-
-def plan(hostfile: Hostfile, options: JobOptions) -> list[RankLaunch]:
-    local = Path(options.model).expanduser()
+def plan(hostfile: Hostfile, spec: JobSpec, launch: LaunchSettings) -> list[RankLaunch]:
+    """Each rank's start: its host, python, environment, files and its view of the job."""
+    local = Path(spec.model).expanduser()
     if local.exists():  # ranks may run in another directory
-        options.model = str(local.resolve())
-    envs = rank_envs(hostfile, options.starting_port, options.connections_per_ip, options.verbose)
+        spec = replace(spec, model=str(local.resolve()))
+    envs = rank_envs(hostfile, launch.starting_port, launch.connections_per_ip, launch.verbose)
+    per_host = [sum(1 for o in envs if o.host.index == e.host.index) for e in envs]
     return [
         RankLaunch(
             rank=e.rank,
@@ -224,17 +109,17 @@ def plan(hostfile: Hostfile, options: JobOptions) -> list[RankLaunch]:
             python=rank_python(e.host, hostfile.python),
             env=e.env,
             files=e.files,
-            spec=job_spec(
-                options,
-                len(envs),
+            spec=spec.for_rank(
                 e.rank,
-                split_weights(hostfile),
-                rank_model_path(hostfile, e.host, options.model),
-            ),
+                world_size=len(envs),
+                split_weights=split_weights(hostfile),
+                model=rank_model_path(hostfile, e.host, spec.model),
+                ranks_on_host=per_host[e.rank],
+            ).to_json(),
             cwd=e.host.cwd,
             extra_env=hostfile.env,
             # chat: our stdin goes on; serve: the drain request travels on it
-            stdin=(options.forward_stdin or options.command == "serve") and e.rank == 0,
+            stdin=spec.command in ("chat", "serve") and e.rank == 0,
         )
         for e in envs
     ]
@@ -285,13 +170,15 @@ def open_ranks(
     return ranks, list(clients.values())
 
 
-class Job:
-    """The launcher's view of one running job: ranks, what each last said, and when."""
+class RankWatch:
+    """The I/O loop of one running job: starts the ranks, takes their output off the queue,
+    feeds it to ``cluster.jobstate`` and prints what that says."""
 
     def __init__(
         self,
         ranks,
-        options: JobOptions,
+        command: str,
+        launch: LaunchSettings,
         stdout: IO[bytes],
         stderr: IO[str],
         started: float,
@@ -299,23 +186,30 @@ class Job:
     ):
         self.stdin = stdin
         self.ranks = ranks
-        self.options = options
+        self.launch = launch
         self.stdout = stdout
         self.stderr = stderr
         self.started = started
-        self.states = [
-            RankState(r.rank, r.host.target, host_is_local=r.host.is_local) for r in ranks
-        ]
+        self.state = JobState(
+            [RankState(r.rank, r.host.target, host_is_local=r.host.is_local) for r in ranks],
+            command=command,
+        )
+        self.forward_stdin = command == "chat"
         self.events: queue.Queue = queue.Queue()
-        self.result = JobResult(exit_code=0)
         self.wrote_newline = True
-        self.ready = 0
         self.drained = False  # serve: rank 0 was asked to drain (it then ends the job)
+
+    @property
+    def result(self) -> JobResult:
+        return self.state.result
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
 
     def run(self) -> None:
         """Start every rank and follow them to the end; raise LaunchError on any failure."""
         now = time.monotonic()
-        for r, state in zip(self.ranks, self.states, strict=True):
+        for r, state in zip(self.ranks, self.state.ranks, strict=True):
             state.last_seen = now
             try:
                 r.start(self.events)
@@ -323,7 +217,7 @@ class Job:
                 state.error = f"could not start: {e}"
                 state.exit_code = 255
                 self.fail(state)
-        if self.options.forward_stdin:
+        if self.forward_stdin:
             threading.Thread(
                 target=_forward_stdin, args=(self.stdin, self.ranks[0]), daemon=True
             ).start()
@@ -334,10 +228,11 @@ class Job:
             except queue.Empty:
                 self.check_liveness()
                 continue
-            state = self.states[rank]
+            state = self.state.ranks[rank]
             state.last_seen = time.monotonic()
             if kind == "out":
-                self.on_stdout(state, payload)
+                if on_text(self.state, rank, payload, self.elapsed()):
+                    self.write_text(payload)
             elif kind == "err":
                 self.on_stderr(state, payload)
             else:
@@ -347,12 +242,7 @@ class Job:
                     self.fail(state)
             self.check_liveness()
 
-    def on_stdout(self, state: RankState, payload: bytes) -> None:
-        if state.rank != 0:
-            state.tail.extend(payload.decode("utf-8", "replace").splitlines())
-            return
-        if self.result.first_token_s is None:
-            self.result.first_token_s = time.perf_counter() - self.started
+    def write_text(self, payload: bytes) -> None:
         try:
             self.stdout.write(payload)
             self.stdout.flush()
@@ -364,113 +254,73 @@ class Job:
         event = decode_event(line)
         if event is None:
             state.tail.append(line.rstrip("\n"))
-            if self.options.verbose:
+            if self.launch.verbose:
                 self.stderr.write(f"[rank {state.rank} {state.host}] {line}")
             return
-        _on_event(event, state, self.result)
-        kind = event["event"]
-        if kind == "first_token" and self.result.first_token_s is None:
-            self.result.first_token_s = time.perf_counter() - self.started
-        elif kind == "stats":
-            ttft = self.result.first_token_s if self.options.command == "generate" else None
-            log(self.stderr, _stats_line(event, ttft))
-        elif kind == "bench_run":
-            log(self.stderr, _bench_run_line(event))
-        elif kind == "notice":
-            log(self.stderr, event.get("message", ""))
-        elif kind == "awaiting_input" and _isatty(self.stdin):
+        for say in on_event(self.state, state.rank, event, self.elapsed()):
+            log(self.stderr, say.text)
+        if isinstance(event, AwaitingInput) and _isatty(self.stdin):
             self.stderr.write(">>> ")
             self.stderr.flush()
-        if kind == "ready":
-            self.ready += 1
-            if self.options.verbose:
-                self.stderr.write(f"[rank {state.rank} {state.host}] {_ready_line(event)}\n")
-            if self.ready == len(self.ranks):
-                self.result.ready_s = time.perf_counter() - self.started
-                log(self.stderr, f"all ranks ready after {self.result.ready_s:.1f} s")
+        elif isinstance(event, Ready) and self.launch.verbose:
+            self.stderr.write(f"[rank {state.rank} {state.host}] {ready_line(event)}\n")
 
     def check_liveness(self) -> None:
-        """A rank silent past the heartbeat timeout, or not ready by the start deadline, fails."""
-        now = time.monotonic()
-        silent = sorted(
-            (
-                s
-                for s in self.states
-                if s.exit_code is None and now - s.last_seen > self.options.heartbeat_timeout
-            ),
-            key=lambda s: s.last_seen,
+        late = overdue(
+            self.state,
+            time.monotonic(),
+            self.elapsed(),
+            self.launch.heartbeat_timeout,
+            self.launch.start_timeout,
         )
-        if silent:
-            # The rank silent longest most likely stopped first; the others may only be
-            # waiting on it, and are named too so nothing is hidden.
-            state = silent[0]
-            state.unresponsive = True
-            state.error = (
-                f"sent nothing for {now - state.last_seen:.1f} s (heartbeat timeout "
-                f"{self.options.heartbeat_timeout:g} s): the process is stopped or hung, or "
-                "its host is unreachable"
-            )
-            if silent[1:]:
-                others = ", ".join(
-                    f"rank {s.rank} on {s.host} ({now - s.last_seen:.1f} s)" for s in silent[1:]
-                )
-                state.error += f"; also silent: {others}"
-            self.fail(state)
-        if (
-            self.ready < len(self.ranks)
-            and time.perf_counter() - self.started > self.options.start_timeout
-        ):
-            late = next(s for s in self.states if s.phase not in ("ready", "generating"))
-            late.unresponsive = True
-            late.error = (
-                f"not ready after the start timeout of {self.options.start_timeout:g} "
-                "s (--start-timeout)"
-            )
+        if late is not None:
             self.fail(late)
 
     def fail(self, state: RankState) -> None:
         self.stop_all()
-        culprit = _culprit(state, self.states)
+        first = culprit(state, self.state.ranks)
         raise LaunchError(
-            _failure_report(culprit, self.states, len(self.ranks)),
-            exit_code=2 if culprit.bad_model else 1,
+            failure_report(first, self.state.ranks), exit_code=2 if first.bad_model else 1
         )
 
     def stop_all(self) -> None:
-        _stop_all(self.ranks, self.states, self.events)
+        _stop_all(self.ranks, self.state.ranks, self.events)
 
 
 def run_job(
     hostfile: Hostfile,
-    options: JobOptions,
+    spec: JobSpec,
+    launch: LaunchSettings | None = None,
     stdout: IO[bytes] | None = None,
     stderr: IO[str] | None = None,
     started: float | None = None,
     stdin: IO[bytes] | None = None,
 ) -> JobResult:
     """Run the job to the end; raises LaunchError (with an exit code) on any failure."""
+    launch = launch or LaunchSettings()
     stdout = stdout or sys.stdout.buffer
     stdin = stdin or sys.stdin.buffer
     stderr = stderr or sys.stderr
     started = time.perf_counter() if started is None else started
     try:
-        split = preflight(hostfile, options)
-        launches = plan(hostfile, options)
+        split = preflight(hostfile, spec)
+        launches = plan(hostfile, spec, launch)
     except (ModelError, ValueError) as e:
         raise LaunchError(f"error: {e}", exit_code=2) from e
-    check_ports(hostfile, launches)
+    check_ports(launches)
 
     job_dir = make_job_dir()
     clients = []
-    job = None
+    watch: RankWatch | None = None
 
     def tell_rank0(message: bytes, note: str) -> bool:
-        """Write ``message`` to rank 0's stdin and log ``note``; False if it cannot be told."""
-        if job is None:
+        """Write ``message`` to rank 0's stdin and log ``note``; False if it cannot be told
+        (not started yet, or gone): the caller then ends the job."""
+        if watch is None:
             return False
         try:
-            job.ranks[0].write_stdin(message)
-        except (OSError, ValueError, EOFError):
+            watch.ranks[0].write_stdin(message)
+        except (OSError, ValueError, EOFError, AttributeError):
             return False
         log(stderr, note)
         return True
@@ -481,36 +331,41 @@ def run_job(
         return tell_rank0(CANCEL, note)
 
     def drain() -> bool:
-        """Serve: rank 0 finishes the answers under way, then every rank quits."""
+        """Serve: rank 0 finishes the answers under way, then every rank quits. While the
+        ranks are still starting there is nothing to drain: the signal stops the job."""
+        if watch is None or not watch.state.all_ready:
+            return False
         note = (
-            f"draining: finishing the answers under way (at most {options.drain_timeout:g} s); "
-            "Ctrl-C again stops now"
+            f"draining: finishing the answers under way (at most {spec.serve.drain_timeout:g} "
+            "s); Ctrl-C again stops now"
         )
-        job.drained = tell_rank0(END_OF_INPUT, note)
-        return job.drained
+        drained = tell_rank0(END_OF_INPUT, note)
+        if drained:
+            watch.drained = True
+        return drained
 
-    if options.command == "chat":
+    if spec.command == "chat":
         previous = trap_signals(cancel_answer)
-    elif options.command == "serve":
+    elif spec.command == "serve":
         previous = trap_signals(drain, once=True, signals=(signal.SIGINT, signal.SIGTERM))
     else:
         previous = trap_signals()
     try:
-        ranks, clients = open_ranks(hostfile, launches, job_dir, options.accept_new_host_keys)
-        job = Job(ranks, options, stdout, stderr, started, stdin)
+        ranks, clients = open_ranks(hostfile, launches, job_dir, launch.accept_new_host_keys)
+        watch = RankWatch(ranks, spec.command, launch, stdout, stderr, started, stdin)
         log(
             stderr,
-            f"starting {len(ranks)} rank(s), {options.mode} mode, "
-            f"{hostfile.backend} backend, model {options.model}",
+            f"starting {len(ranks)} rank(s), {spec.mode} mode, "
+            f"{hostfile.backend} backend, model {spec.model}",
         )
         if split:
             log(stderr, f"pipeline split, layers per rank: {','.join(map(str, split))}")
-        job.run()
-        if job.drained:
+        watch.run()
+        if watch.drained:
             log(stderr, "drained; all ranks stopped")
     except Interrupted as e:
-        if job is not None:
-            job.stop_all()
+        if watch is not None:
+            watch.stop_all()
         if e.signum == signal.SIGPIPE:
             _silence_stdout(stdout)
             raise LaunchError("", exit_code=128 + e.signum) from None
@@ -520,51 +375,28 @@ def run_job(
         ) from None
     finally:
         restore_signals(previous)
-        if job is not None:
-            for r in job.ranks:  # even on an unexpected error nothing may survive
+        if watch is not None:
+            for r in watch.ranks:  # even on an unexpected error nothing may survive
                 if r.poll() is None:
                     r.send_signal(signal.SIGKILL)
                     r.wait(STOP_GRACE_S)
                 r.cleanup()
-            if not job.wrote_newline and not stdout.closed and stdout.isatty():
+            if not watch.wrote_newline and not stdout.closed and stdout.isatty():
                 stdout.write(b"\n")
                 stdout.flush()
         for c in clients:
             c.close()
         shutil.rmtree(job_dir, ignore_errors=True)
 
-    result = job.result
-    result.peak_memory_gb = [s.peak_memory_gb for s in job.states]
-    result.load_s = [s.load_s for s in job.states]
+    result = watch.result
+    result.peak_memory_gb = [s.peak_memory_gb for s in watch.state.ranks]
+    result.load_s = [s.load_s for s in watch.state.ranks]
     if any(m is not None for m in result.peak_memory_gb):
         shown = ", ".join(
             f"rank {r} {m:.3f} GB" for r, m in enumerate(result.peak_memory_gb) if m is not None
         )
         log(stderr, f"peak memory: {shown}")
     return result
-
-
-def _stats_line(stats: dict, since_start: float | None) -> str:
-    """One answer's numbers: prompt tokens prefilled (and reused from the cache), generation."""
-    t = stats["timings"]
-    if since_start is not None:
-        first = f"first token {since_start:.2f} s after start"
-    else:
-        first = f"first token after {stats.get('time_to_first_token_s') or 0:.2f} s"
-    return (
-        f"prompt {t['prompt_n']} tokens at {t['prompt_per_second']:.1f} tok/s, cache "
-        f"{t['cache_n']}, generated {t['predicted_n']} tokens at "
-        f"{t['predicted_per_second']:.1f} tok/s ({stats['finish_reason']}), {first}"
-    )
-
-
-def _bench_run_line(run: dict) -> str:
-    what = "warm-up run" if run["warmup"] else "run"
-    gen = run.get("generation_tps")
-    return (
-        f"  {what} {run['run'] + 1}: first token after {run['ttft_s']:.3f} s, prefill "
-        f"{run['prefill_tps']:.1f} tok/s, generation {gen or 0:.1f} tok/s"
-    )
 
 
 def _isatty(stream) -> bool:
@@ -586,84 +418,7 @@ def _forward_stdin(stdin: IO[bytes], rank) -> None:
         pass  # rank 0 is gone; its exit is reported by the main loop
 
 
-def _ready_line(event: dict) -> str:
-    layers = event.get("layers")
-    where = f"layers {layers[0]}-{layers[1] - 1}" if layers else "all layers"
-    files = ", ".join(event.get("files") or [])
-    return f"loaded in {event.get('load_s', 0):.2f} s: {where}; weight files: {files}"
-
-
-def _on_event(event: dict, state: RankState, result: JobResult | None) -> None:
-    kind = event["event"]
-    if kind == "phase":
-        state.phase = event["phase"]
-    elif kind == "ready":
-        state.phase = "ready"
-        state.load_s = event.get("load_s")
-    elif kind.startswith("bench_"):
-        result.bench.append({**event, "rank": state.rank})
-    elif kind == "stats":
-        result.stats = event
-    elif kind == "memory":
-        state.peak_memory_gb = event.get("peak_memory_gb")
-    elif kind == "error":
-        state.error = event.get("message")
-        if not event.get("peer"):  # "rank 0 failed" is an effect, never the cause
-            state.error_t = event.get("t")
-        state.bad_model = event.get("cause") == "model"
-
-
-PHASE_WORDS = {
-    "starting": "while starting",
-    "init": "while joining the distributed group",
-    "loading": "while loading the model",
-    "ready": "after loading, before generating",
-    "generating": "while generating",
-}
-
-
-HINTS = {
-    "init": "check that the ranks can reach each other on the hostfile's ips and ports "
-    "(firewall, cable, --starting-port); run with --verbose to see MLX's ring log",
-    "loading": "check the model files on {host}: a truncated or missing file means an "
-    "incomplete copy or download; copy the model again",
-}
-
-
-def _failure_report(failed: RankState, states: list[RankState], world: int) -> str:
-    # A rank that stopped because rank 0 failed points at rank 0: report the cause.
-    if failed.exit_code == EXIT_PEER_FAILED and states[0].exit_code not in (None, 0):
-        failed = states[0]
-    code = failed.exit_code
-    if failed.unresponsive:
-        how = "stopped responding"
-    elif failed.error_t is not None:
-        # It said why. How it then exited says nothing more: a peer's failure can start the
-        # teardown while this rank is still shutting down, and our SIGTERM ends it.
-        how = "failed"
-    elif code < 0:
-        how = f"was killed by signal {-code}"
-    elif code == 255 and not failed.host_is_local:
-        how = "was killed by a signal or lost its SSH connection"
-    else:
-        how = f"exited with code {code}"
-    lines = [
-        f"error: rank {failed.rank} of {world} on {failed.host} {how} "
-        f"{PHASE_WORDS.get(failed.phase, failed.phase)}"
-    ]
-    if failed.error:
-        lines.append(f"  reason: {failed.error}")
-    if failed.tail:
-        lines.append(f"  last lines of rank {failed.rank} ({failed.host}):")
-        lines.extend(f"    {line}" for line in failed.tail)
-    hint = None if failed.bad_model else HINTS.get(failed.phase)  # the reason says what to do
-    if hint:
-        lines.append(f"  what to do: {hint.format(host=failed.host)}")
-    lines.append("  every other rank was stopped")
-    return "\n".join(lines)
-
-
-def _stop_all(ranks: list[LocalRank], states: list[RankState], events: queue.Queue) -> None:
+def _stop_all(ranks: list, states: list[RankState], events: queue.Queue) -> None:
     """SIGTERM every live rank, SIGKILL what is left after a grace period, wait for all."""
     for r, st in zip(ranks, states, strict=True):
         st.stopped_by_us = st.exit_code is None
@@ -686,25 +441,10 @@ def _stop_all(ranks: list[LocalRank], states: list[RankState], events: queue.Que
             event = decode_event(payload)
             if event is None:
                 states[rank].tail.append(payload.rstrip("\n"))
-            elif event["event"] == "error":
-                _on_event(event, states[rank], None)
+            elif isinstance(event, Error):
+                on_error(states[rank], event)
         elif kind == "exit" and states[rank].exit_code is None:
             states[rank].exit_code = payload
-
-
-def _culprit(failed: RankState, states: list[RankState]) -> RankState:
-    """The rank that failed first. Its peers fail a moment later in a collective ("connection
-    to a peer was lost", reported as peer errors) and their exits can even arrive first. So:
-    the earliest error a rank reported as its own; else a rank that died without a word (a
-    signal, a lost connection), preferring one the launcher did not stop itself."""
-    if failed.unresponsive:
-        return failed
-    reported = [s for s in states if s.error_t is not None]
-    if reported:
-        return min(reported, key=lambda s: s.error_t)
-    silent = [s for s in states if s.exit_code not in (None, 0) and s.error is None]
-    silent.sort(key=lambda s: s.stopped_by_us)
-    return silent[0] if silent else failed
 
 
 def _silence_stdout(stdout) -> None:

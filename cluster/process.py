@@ -22,6 +22,8 @@ from pathlib import Path
 
 from .hostfile import Host
 
+STOP_GRACE_S = 5.0  # how long a stopped rank gets between SIGTERM and SIGKILL
+
 
 @dataclass
 class RankLaunch:

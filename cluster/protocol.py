@@ -1,13 +1,18 @@
-"""What a rank tells the launcher besides its text: one JSON event per stderr line.
+"""What a rank tells the launcher besides its text: one typed event per stderr line.
 
 Rank 0's stdout carries only the generated text; progress and stats travel as events on stderr so
-the launcher can follow the phases (loading, ready, done) without parsing log prose.
+the launcher can follow the phases (loading, ready, done) without parsing log prose. Each event
+is a dataclass; ``encode_event`` and ``decode_event`` are the one encoder and decoder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass, field
 from typing import Any
+
+from .spec import from_dict, to_dict
 
 EVENT_PREFIX = "\x1emlx-cluster "
 CANCEL = b"\x03"  # launcher -> rank 0's stdin: Ctrl-C in chat, end the current answer
@@ -16,16 +21,146 @@ CANCEL = b"\x03"  # launcher -> rank 0's stdin: Ctrl-C in chat, end the current 
 END_OF_INPUT = b"\x04"
 
 
-def encode_event(kind: str, **fields: Any) -> str:
-    return EVENT_PREFIX + json.dumps({"event": kind, **fields}) + "\n"
+@dataclass
+class Beat:
+    """Once a second, also while the main thread waits in a collective."""
+
+    kind = "beat"
 
 
-def decode_event(line: str) -> dict[str, Any] | None:
-    """The event of a stderr line, or None for an ordinary log line."""
+@dataclass
+class Phase:
+    kind = "phase"
+    phase: str  # init, loading, generating
+    prompt_tokens: int | None = None
+
+
+@dataclass
+class Ready:
+    """The shard is loaded and every rank met at the barrier."""
+
+    kind = "ready"
+    load_s: float
+    layers: list[int] | None = None  # [first, end) of a pipeline stage; None: all layers
+    files: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FirstToken:
+    kind = "first_token"
+
+
+@dataclass
+class Stats:
+    """One answer: llama-server's usage and timings fields."""
+
+    kind = "stats"
+    finish_reason: str | None
+    usage: dict[str, Any]
+    timings: dict[str, Any]
+    time_to_first_token_s: float | None = None
+
+
+@dataclass
+class Memory:
+    kind = "memory"
+    peak_memory_gb: float
+
+
+@dataclass
+class Notice:
+    """A line for the user's stderr."""
+
+    kind = "notice"
+    message: str
+
+
+@dataclass
+class AwaitingInput:
+    """Chat: rank 0 waits for the next turn (the launcher shows a prompt on a terminal)."""
+
+    kind = "awaiting_input"
+
+
+@dataclass
+class Error:
+    kind = "error"
+    message: str
+    t: float  # the rank's clock: who failed first
+    peer: bool = False  # an effect of another rank's failure, never the cause
+    cause: str | None = None  # "model": the model cannot be served as asked (bad input)
+
+
+@dataclass
+class BenchRun:
+    kind = "bench_run"
+    run: int
+    warmup: bool
+    tokens_sha: str
+    ttft_s: float
+    prefill_tps: float
+    generation_tps: float | None
+    generated: int
+
+
+@dataclass
+class BenchComm:
+    kind = "bench_comm"
+    counts: dict[str, int]
+    allsum_bytes: int | None = None
+    allsum_latency_s: float | None = None
+    allsum_latency_min_s: float | None = None
+    allsum_samples: int | None = None
+
+
+Event = (
+    Beat
+    | Phase
+    | Ready
+    | FirstToken
+    | Stats
+    | Memory
+    | Notice
+    | AwaitingInput
+    | Error
+    | BenchRun
+    | BenchComm
+)
+EVENTS: dict[str, type] = {
+    cls.kind: cls
+    for cls in (
+        Beat,
+        Phase,
+        Ready,
+        FirstToken,
+        Stats,
+        Memory,
+        Notice,
+        AwaitingInput,
+        Error,
+        BenchRun,
+        BenchComm,
+    )
+}
+
+
+def encode_event(event: Event) -> str:
+    return EVENT_PREFIX + json.dumps({"event": event.kind, **to_dict(event)}) + "\n"
+
+
+def decode_event(line: str) -> Event | None:
+    """The event of a stderr line, or None for an ordinary log line (or one that only looks
+    like an event: it is shown to the user as it is)."""
     if not line.startswith(EVENT_PREFIX):
         return None
     try:
-        event = json.loads(line[len(EVENT_PREFIX) :])
-    except json.JSONDecodeError:
+        data = json.loads(line[len(EVENT_PREFIX) :])
+        cls = EVENTS[data.pop("event")]
+        return from_dict(cls, data)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
         return None
-    return event if isinstance(event, dict) and "event" in event else None
+
+
+def event_fields(event: Event) -> dict[str, Any]:
+    """The fields of an event as a dict (bench rows keep them)."""
+    return dataclasses.asdict(event)

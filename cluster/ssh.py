@@ -27,10 +27,9 @@ from pathlib import Path
 import paramiko
 
 from .hostfile import Host, Hostfile
-from .process import RankLaunch, node_command, shell_command
+from .process import STOP_GRACE_S, RankLaunch, node_command, shell_command
 
 CONNECT_TIMEOUT_S = 10.0
-STOP_GRACE_S = 5.0
 FORWARDED_SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .hostfile import Host, Hostfile, model_name
+from .hostfile import Host, Hostfile, model_name, split_weights
 from .modelcheck import ModelError, looks_like_repo, read_config
 from .shards import rank_weight_files
 
@@ -349,8 +349,6 @@ def run_sync(
 ) -> tuple[Path, list[HostResult]]:
     """Sync every host in parallel; ``progress(host, total_bytes)`` gives each host's advance
     callback. Ctrl-C stops every copy (KeyboardInterrupt) and leaves the .part files."""
-    from .launcher import split_weights
-
     source = source_dir(model)
     files = host_files(source, hostfile, mode, split, split_weights(hostfile))
     stop = threading.Event()

@@ -1,25 +1,25 @@
 """A rank: ``python -m node run --spec JOB.json``.
 
 stdout carries only generated text (rank 0); stderr carries logs and one-line JSON events for
-the launcher. Exit codes: 0 done, 1 this rank failed, 3 this rank stopped because rank 0 failed.
+the launcher (``cluster.protocol``). Exit codes: 0 done, 1 this rank failed, 3 this rank stopped
+because rank 0 failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import json
+import os
 import sys
 import threading
 import time
 import traceback
 
+from cluster.blas import blas_env
 from cluster.modelcheck import ModelError, check_request
-from cluster.protocol import encode_event
+from cluster.protocol import Beat, Error, Event, Memory, Phase, Ready, Stats, encode_event
+from cluster.spec import JobSpec, Request
 
-from .share import PeerFailed
-
-COMMANDS = ("generate", "logits", "chat", "serve", "bench")
 EXIT_FAILED = 1
 EXIT_PEER_FAILED = 3
 HEARTBEAT_S = 1.0
@@ -36,10 +36,15 @@ def is_peer_loss(e: Exception) -> bool:
     )
 
 
-def emit(kind: str, **fields) -> None:
+def emit(event: Event) -> None:
     with _stderr_lock:
-        sys.stderr.write(encode_event(kind, **fields))
+        sys.stderr.write(encode_event(event))
         sys.stderr.flush()
+
+
+def log(message: str) -> None:
+    with _stderr_lock:
+        print(message, file=sys.stderr, flush=True)
 
 
 def start_heartbeat() -> None:
@@ -48,7 +53,7 @@ def start_heartbeat() -> None:
 
     def beat():
         while True:
-            emit("beat")
+            emit(Beat())
             time.sleep(HEARTBEAT_S)
 
     threading.Thread(target=beat, daemon=True, name="heartbeat").start()
@@ -59,33 +64,28 @@ def write_text(text: str) -> None:
     sys.stdout.flush()
 
 
-def run(spec: dict) -> None:
+def run(spec: JobSpec) -> None:
     from .dist import barrier, init_group
     from .generate import generate, prompt_logits
     from .load import load_shard
-    from .share import share_object
+    from .memory import apply_metal_limits
+    from .share import share_from_rank0
     from .vlm import generate_vlm
 
-    emit("phase", phase="init")
-    group = init_group(spec["world_size"])
+    emit(Phase("init"))
+    group = init_group(spec.world_size)
     rank = group.rank()
-    from .memory import apply_metal_limits
-
     limit = apply_metal_limits()
     if limit is not None:
-        with _stderr_lock:
-            print(f"Metal memory and wired limits: {limit / 1e9:.1f} GB", file=sys.stderr)
-    emit("phase", phase="loading")
+        log(f"Metal memory and wired limits: {limit / 1e9:.1f} GB")
+    emit(Phase("loading"))
     tic = time.perf_counter()
-    loaded = load_shard(
-        spec["model"], spec["mode"], group, spec.get("split"), spec.get("split_weights")
-    )
+    loaded = load_shard(spec.model, spec.mode, group, spec.split, spec.split_weights)
     barrier(group)
-    emit("ready", load_s=time.perf_counter() - tic, layers=loaded.layers, files=loaded.files)
+    emit(Ready(time.perf_counter() - tic, layers=loaded.layers, files=loaded.files))
 
-    command = spec.get("command", "generate")
-    if command not in COMMANDS:
-        raise ValueError(f"unknown command {command!r}")
+    command = spec.command
+    stats = None  # a one-shot answer's, reported by rank 0 once every rank is done
     if command in ("chat", "serve", "bench"):  # every rank alike; one-shot jobs: rank 0
         check_request(loaded.config, command, False, repr(loaded.config["model_type"]))
     if command == "serve":
@@ -96,97 +96,100 @@ def run(spec: dict) -> None:
     if command == "bench":
         from .bench import run_bench
 
-        run_bench(loaded, group, spec, emit)
-        emit_memory()
-        barrier(group)
-        return
-    if command == "chat":
+        run_bench(loaded, group, spec.bench, emit)
+    elif command == "chat":
         from .chat import run_chat
 
         run_chat(loaded, group, spec, emit, write_text if rank == 0 else None)
-        emit_memory()
-        barrier(group)
-        return
-    request = None
-    if rank == 0:
-        try:
-            request = make_job_request(loaded, spec["request"], command)
-        except Exception as e:  # tell the other ranks before failing, so none waits forever
-            share_object({"error": f"{type(e).__name__}: {e}"}, group)
-            raise
-    request = share_object(request, group)
-    if "error" in request:
-        raise PeerFailed(f"rank 0 failed to prepare the request: {request['error']}")
-    write = write_text if rank == 0 else None
-    if command == "logits":
-        emit("phase", phase="generating", prompt_tokens=len(request["tokens"]))
-        logits = prompt_logits(loaded.model, request["tokens"])
-        if write:
-            write(json.dumps({"prompt_tokens": len(request["tokens"]), "logits": logits}) + "\n")
-        emit_memory()
-        barrier(group)
-        return
-    if loaded.processor is not None:
-        emit("phase", phase="generating")
-        stats = generate_vlm(loaded.model, loaded.processor, request, write, group)
     else:
-        emit("phase", phase="generating", prompt_tokens=len(request["tokens"]))
-        stats = generate(loaded.model, loaded.tokenizer, request, write, group).stats
+        make = (lambda: make_job_request(loaded, spec.request, command)) if rank == 0 else None
+        request = share_from_rank0(make, group, "prepare the request")
+        write = write_text if rank == 0 else None
+        if command == "logits":
+            emit(Phase("generating", prompt_tokens=len(request["tokens"])))
+            logits = prompt_logits(loaded.model, request["tokens"])
+            if write:
+                n = len(request["tokens"])
+                write(json.dumps({"prompt_tokens": n, "logits": logits}) + "\n")
+        elif loaded.processor is not None:
+            emit(Phase("generating"))
+            stats = generate_vlm(loaded.model, loaded.processor, request, write, group)
+        else:
+            emit(Phase("generating", prompt_tokens=len(request["tokens"])))
+            stats = generate(loaded.model, loaded.tokenizer, request, write, group).stats
     emit_memory()
     barrier(group)
-    if rank == 0:
-        emit("stats", **stats)
+    if stats is not None and rank == 0:
+        emit(Stats(**stats))
 
 
 def emit_memory() -> None:
     """This rank's peak memory (MLX's count: weights, caches, activations)."""
     import mlx.core as mx
 
-    emit("memory", peak_memory_gb=mx.get_peak_memory() / 1e9)
+    emit(Memory(mx.get_peak_memory() / 1e9))
 
 
-def make_job_request(loaded, r: dict, command: str) -> dict:
+def make_job_request(loaded, r: Request, command: str) -> dict:
     """Rank 0's request for this model: tokens for a text model; for a VLM, the templated
     prompt and the image bytes (every rank runs the processor on them)."""
     from .generate import make_request
     from .sampling import settings
     from .vlm import make_vlm_request
 
-    image = base64.b64decode(r["image_b64"]) if r.get("image_b64") else None
-    check_request(loaded.config, command, image is not None, repr(loaded.config["model_type"]))
+    check_request(loaded.config, command, r.image is not None, repr(loaded.config["model_type"]))
     if loaded.processor is None:
         return make_request(loaded.tokenizer, r)
-    return make_vlm_request(loaded.processor, loaded.model.config, r["prompt"], image, settings(r))
+    config = loaded.model.config
+    return make_vlm_request(loaded.processor, config, r.prompt, r.image, settings(r.sampling))
+
+
+def reexec_with_blas(spec: JobSpec, argv: list[str]) -> None:
+    """On Linux, start this rank again with the host's OpenBLAS preloaded (cluster.blas); the
+    process keeps its PID, pipes and arguments. Returns when nothing changes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    extra = blas_env(spec.blas, spec.ranks_on_host, dict(os.environ), sys.platform, cores)
+    if extra is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "node", *argv], {**os.environ, **extra})
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m node", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     run_p = sub.add_parser("run", help="run one rank of a job")
     run_p.add_argument("--spec", required=True, help="path of the job spec (JSON)")
     args = parser.parse_args(argv)
-    start_heartbeat()
     try:
         with open(args.spec) as f:
-            spec = json.load(f)
+            spec = JobSpec.from_json(f.read())
+    except (OSError, ValueError) as e:
+        log(f"error: cannot read the job spec {args.spec}: {e}")
+        emit(Error(f"cannot read the job spec: {e}", t=time.time()))
+        return EXIT_FAILED
+    reexec_with_blas(spec, argv)
+    from .share import PeerFailed  # imports mlx: after the BLAS is chosen
+
+    start_heartbeat()
+    try:
         run(spec)
     except PeerFailed as e:
-        emit("error", message=str(e), peer=True, t=time.time())
+        emit(Error(str(e), t=time.time(), peer=True))
         return EXIT_PEER_FAILED
     except (ModelError, ValueError, FileNotFoundError) as e:
-        with _stderr_lock:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        log(f"error: {e}")
         # "model": the model cannot be served as asked (bad input), not a broken copy of it
         cause = "model" if isinstance(e, ModelError) else None
-        emit("error", message=str(e), t=time.time(), cause=cause)
+        emit(Error(str(e), t=time.time(), cause=cause))
         return EXIT_FAILED
     except Exception as e:
         with _stderr_lock:
             traceback.print_exc()
-        if is_peer_loss(e):  # an effect of another rank's failure, not a cause
-            emit("error", message=f"{type(e).__name__}: {e}", peer=True, t=time.time())
-            return EXIT_FAILED
-        emit("error", message=f"{type(e).__name__}: {e}", t=time.time())
+        # a collective's "peer lost" is an effect of another rank's failure, not a cause
+        emit(Error(f"{type(e).__name__}: {e}", t=time.time(), peer=is_peer_loss(e)))
         return EXIT_FAILED
     return 0
 

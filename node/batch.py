@@ -32,7 +32,6 @@ from .memory import reapply_wired_limit
 from .sampling import processors, sampler
 
 ROUND_STEPS = STOP_CHECK_EVERY  # generator steps between two orders of rank 0
-PROMPT_CACHE_SIZE = 10  # finished answers kept, as mlx_lm.server's default
 MODEL_KEY = "served"  # one model per server: every cache entry is under this key
 
 
@@ -50,7 +49,7 @@ class Lockstep:
         tokenizer,
         decode_concurrency: int,
         prompt_concurrency: int,
-        prompt_cache_size: int = PROMPT_CACHE_SIZE,
+        prompt_cache_size: int,
     ):
         self.prompt_cache = (
             LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None

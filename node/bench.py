@@ -18,6 +18,9 @@ from collections.abc import Callable, Iterable, Iterator
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from cluster.protocol import BenchComm, BenchRun, FirstToken, Phase
+from cluster.spec import BenchSettings, Sampling
+
 from .generate import AnswerText, stream, token_stream
 from .sampling import settings
 
@@ -110,32 +113,31 @@ def allsum_latency(group, hidden_size: int, dtype) -> dict:
     }
 
 
-def run_bench(loaded, group, spec: dict, emit) -> None:
+def run_bench(loaded, group, b: BenchSettings, emit) -> None:
     """``warmup`` + ``repeat`` runs of the synthetic prompt; EOS cannot end a run."""
-    b = spec["bench"]
     rank = group.rank()
     model, tokenizer, config = loaded.model, loaded.tokenizer, loaded.config
     tokenizer.eos_token_ids = set()  # as mlx_lm.benchmark: every run is exactly gen_tokens
     text_config = config.get("text_config", config)
     vocab = config.get("vocab_size") or text_config["vocab_size"]
-    prompt = synthetic_prompt(vocab, b["prompt_tokens"])
-    request = {"tokens": prompt, **settings({"max_tokens": b["gen_tokens"], "seed": 0})}
-    runs = b["warmup"] + b["repeat"]
+    prompt = synthetic_prompt(vocab, b.prompt_tokens)
+    request = {"tokens": prompt, **settings(Sampling(max_tokens=b.gen_tokens, seed=0))}
+    runs = b.warmup + b.repeat
     for i in range(runs):
-        emit("phase", phase="generating", prompt_tokens=len(prompt))
-        first = (lambda: emit("first_token")) if i == 0 and rank == 0 else None
+        emit(Phase("generating", prompt_tokens=len(prompt)))
+        first = (lambda: emit(FirstToken())) if i == 0 and rank == 0 else None
         clock = Clock(token_stream(model, tokenizer, request), first)
         answer = stream(clock, None, AnswerText([]), group, None, generation_stream)
         if rank == 0:
             figures = run_figures(clock, len(prompt))
             digest = hashlib.sha256(str(answer.tokens).encode()).hexdigest()[:16]
-            emit("bench_run", run=i, warmup=i < b["warmup"], tokens_sha=digest, **figures)
+            emit(BenchRun(run=i, warmup=i < b.warmup, tokens_sha=digest, **figures))
     counts = count_collectives(model, prompt[-1])
     comm = {"counts": dict(counts)}
     if group.size() > 1:
         hidden = text_config["hidden_size"]
         comm.update(allsum_latency(group, hidden, _activation_dtype(model)))
-    emit("bench_comm", **comm)
+    emit(BenchComm(**comm))
 
 
 def _activation_dtype(model):

@@ -18,11 +18,11 @@ from typing import IO
 
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from cluster.protocol import CANCEL, END_OF_INPUT
+from cluster.protocol import CANCEL, END_OF_INPUT, AwaitingInput, Notice, Phase, Stats
+from cluster.spec import JobSpec, Template
 
 from .stage import SkippedCache
 
-DEFAULT_CACHE_GB = 4.0
 COMMANDS_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) ends the session"
 
 
@@ -69,9 +69,9 @@ class Input:
 class Conversation:
     """Rank 0's history, and the prompt tokens of the next turn."""
 
-    def __init__(self, tokenizer, options: dict):
+    def __init__(self, tokenizer, template: Template):
         self.tokenizer = tokenizer
-        self.options = options  # system prompt, tools, reasoning switches
+        self.template = template  # system prompt, tools, reasoning switches
         self.messages: list[dict[str, str]] = []
         self.templated = bool(tokenizer.has_chat_template)
 
@@ -83,7 +83,7 @@ class Conversation:
         from .generate import render
 
         messages = [*self.messages, {"role": "user", "content": user}]
-        return render(self.tokenizer, messages, self.options)
+        return render(self.tokenizer, messages, self.template)
 
     def add(self, user: str, answer: str) -> None:
         self.messages += [
@@ -163,46 +163,40 @@ def next_turn(inp: Input, conversation: Conversation, log: Callable[[str], None]
         return line
 
 
-def run_chat(loaded, group, spec: dict, emit: Callable, write: Callable[[str], None] | None):
+def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str], None] | None):
     """The session loop of every rank; rank 0 (``write`` given) reads, the others follow."""
     from .generate import generate
     from .sampling import settings
-    from .share import PeerFailed, share_object
+    from .share import share_from_rank0
 
     rank0 = group.rank() == 0
-    budget = float(spec.get("prompt_cache_gb", DEFAULT_CACHE_GB)) * 1e9
-    cache = TurnCache(loaded.model, budget)
+    cache = TurnCache(loaded.model, spec.prompt_cache_gb * 1e9)
     if rank0:
         inp = Input(sys.stdin.buffer)
-        conversation = Conversation(loaded.tokenizer, spec["request"])
+        conversation = Conversation(loaded.tokenizer, spec.request.template)
         if not conversation.templated:
             emit(
-                "notice",
-                message="the model has no chat template; the conversation goes to it as plain text",
+                Notice("the model has no chat template; the conversation goes to it as plain text")
             )
 
         def notice(message: str) -> None:
-            emit("notice", message=message)
+            emit(Notice(message))
+
+        def next_request() -> dict | None:
+            nonlocal user
+            emit(AwaitingInput())
+            user = next_turn(inp, conversation, notice)
+            if user is None:
+                return None
+            return {"tokens": conversation.tokens_for(user), **settings(spec.request.sampling)}
 
     while True:
-        request = user = None
-        if rank0:
-            try:
-                emit("awaiting_input")
-                user = next_turn(inp, conversation, notice)
-                if user is not None:
-                    tokens = conversation.tokens_for(user)
-                    request = {"tokens": tokens, **settings(spec["request"])}
-            except Exception as e:  # tell the other ranks before failing
-                share_object({"error": f"{type(e).__name__}: {e}"}, group)
-                raise
-        request = share_object(request, group)
+        user = None
+        request = share_from_rank0(next_request if rank0 else None, group, "prepare the turn")
         if request is None:
             return
-        if "error" in request:
-            raise PeerFailed(f"rank 0 failed to prepare the turn: {request['error']}")
         prompt_cache, feed, reused = cache.prepare(request["tokens"])
-        emit("phase", phase="generating", prompt_tokens=len(request["tokens"]))
+        emit(Phase("generating", prompt_tokens=len(request["tokens"])))
         answer = generate(
             loaded.model,
             loaded.tokenizer,
@@ -220,4 +214,4 @@ def run_chat(loaded, group, spec: dict, emit: Callable, write: Callable[[str], N
             conversation.add(user, answer.text)
             answer.stats["timings"]["cache_n"] = reused
             answer.stats["usage"]["prompt_tokens_details"]["cached_tokens"] = reused
-            emit("stats", **answer.stats)
+            emit(Stats(**answer.stats))

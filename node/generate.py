@@ -14,24 +14,28 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, stream_generate
 
+from cluster.spec import Request, Template
+
 from .reasoning import THINK_OPEN, Rewrite, held_back, normalizer, opens_in_thought
-from .sampling import processors, sampler, settings
+from .sampling import processors, sampler, sampling_of, settings
 
 STOP_CHECK_EVERY = 4  # tokens between the ranks' checks of rank 0's stop decision
+TEMPLATE_SWITCHES = ("tools", "enable_thinking", "reasoning_effort")
 
 
-TEMPLATE_KEYS = ("tools", "enable_thinking", "reasoning_effort")
-
-
-def render(tokenizer, messages: list[dict[str, str]], r: dict) -> list[int]:
+def render(tokenizer, messages: list[dict[str, str]], template: Template) -> list[int]:
     """Messages to prompt tokens as mlx_lm.generate does: the chat template when the tokenizer
     has one (with the request's system prompt, tools and reasoning switches), plain text
     otherwise."""
-    system = r.get("system")
+    system = template.system
     if tokenizer.has_chat_template:
         if system:
             messages = [{"role": "system", "content": system}, *messages]
-        args = {key: r[key] for key in TEMPLATE_KEYS if r.get(key) is not None}
+        args = {
+            key: getattr(template, key)
+            for key in TEMPLATE_SWITCHES
+            if getattr(template, key) is not None
+        }
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **args
         )
@@ -40,12 +44,12 @@ def render(tokenizer, messages: list[dict[str, str]], r: dict) -> list[int]:
     return tokenizer.encode("\n".join(parts))
 
 
-def make_request(tokenizer, r: dict) -> dict:
+def make_request(tokenizer, r: Request) -> dict:
     """Rank 0's work order, in the form share_object carries to the other ranks."""
-    tokens = render(tokenizer, [{"role": "user", "content": r["prompt"]}], r)
+    tokens = render(tokenizer, [{"role": "user", "content": r.prompt}], r.template)
     if not tokens:
         raise ValueError("the prompt is empty after tokenization")
-    return {"tokens": tokens, **settings(r)}
+    return {"tokens": tokens, **settings(r.sampling)}
 
 
 @dataclass
@@ -84,13 +88,14 @@ def generate(
 
 def token_stream(model, tokenizer, request: dict, prompt_cache=None, feed=None) -> Iterable[Any]:
     """mlx-lm's stream of responses for ``request``: its seed, sampler and processors."""
-    mx.random.seed(request["seed"])
+    s = sampling_of(request)
+    mx.random.seed(s.seed)
     feed = request["tokens"] if feed is None else feed
     return stream_generate(
         model,
         tokenizer,
         mx.array(feed),
-        request["max_tokens"],
+        s.max_tokens,
         sampler=sampler(request),
         logits_processors=processors(request, len(feed)),
         prompt_cache=prompt_cache,
@@ -170,7 +175,7 @@ def answer_text(tokenizer, request: dict) -> AnswerText:
     """The text view of a text model's answer to ``request``: its stop strings, the
     tokenizer's think markers, and the ``<think>`` its template opened, if it did."""
     opening = THINK_OPEN if opens_in_thought(tokenizer, request["tokens"]) else ""
-    return AnswerText(request.get("stop") or [], normalizer(tokenizer), opening)
+    return AnswerText(sampling_of(request).stop, normalizer(tokenizer), opening)
 
 
 def stream(

@@ -12,6 +12,7 @@ beyond the model's vocabulary).
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -19,31 +20,27 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
+from cluster.spec import Sampling, to_dict
+
 PENALTY_CONTEXT = 20  # generated tokens a penalty looks back over, as mlx-lm's default
-DEFAULTS: dict[str, Any] = {
-    "temp": 0.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": None,
-    "presence_penalty": None,
-    "frequency_penalty": None,
-    "stop": [],
-}
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
 
 
-def settings(request: dict) -> dict:
-    """The shared settings of a launcher request; a missing seed is drawn here, on rank 0."""
-    chosen = {key: request.get(key, default) for key, default in DEFAULTS.items()}
-    chosen["stop"] = [s for s in chosen["stop"] or [] if s]
-    chosen["max_tokens"] = request["max_tokens"]
-    seed = request.get("seed")
-    chosen["seed"] = secrets.randbits(31) if seed is None else seed
-    return chosen
+def settings(s: Sampling) -> dict[str, Any]:
+    """The settings as a shared request carries them (rank 0 only): empty stop strings
+    dropped, a missing seed drawn here."""
+    seed = secrets.randbits(31) if s.seed is None else s.seed
+    return to_dict(dataclasses.replace(s, stop=[x for x in s.stop or [] if x], seed=seed))
 
 
-def sampler(s: dict) -> Callable[[mx.array], mx.array]:
-    return make_sampler(temp=s["temp"], top_p=s["top_p"], min_p=s["min_p"], top_k=s["top_k"])
+def sampling_of(request: dict[str, Any]) -> Sampling:
+    """The Sampling of a shared request (``settings`` made it on rank 0)."""
+    return Sampling(**{name: request[name] for name in SAMPLING_FIELDS})
+
+
+def sampler(request: dict[str, Any]) -> Callable[[mx.array], mx.array]:
+    s = sampling_of(request)
+    return make_sampler(temp=s.temp, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
 
 
 def _counts(tokens: mx.array, prompt_len: int, vocab: int) -> mx.array | None:
@@ -96,12 +93,13 @@ def repetition_penalty(penalty: float, prompt_len: int):
     return apply
 
 
-def processors(s: dict, prompt_len: int) -> list:
+def processors(request: dict[str, Any], prompt_len: int) -> list:
+    s = sampling_of(request)
     chosen = []
-    if s["repetition_penalty"] not in (None, 1.0):
-        chosen.append(repetition_penalty(s["repetition_penalty"], prompt_len))
-    if s["presence_penalty"] not in (None, 0.0):
-        chosen.append(presence_penalty(s["presence_penalty"], prompt_len))
-    if s["frequency_penalty"] not in (None, 0.0):
-        chosen.append(frequency_penalty(s["frequency_penalty"], prompt_len))
+    if s.repetition_penalty not in (None, 1.0):
+        chosen.append(repetition_penalty(s.repetition_penalty, prompt_len))
+    if s.presence_penalty not in (None, 0.0):
+        chosen.append(presence_penalty(s.presence_penalty, prompt_len))
+    if s.frequency_penalty not in (None, 0.0):
+        chosen.append(frequency_penalty(s.frequency_penalty, prompt_len))
     return chosen

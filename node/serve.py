@@ -21,11 +21,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from cluster.protocol import Notice, Stats
+from cluster.spec import JobSpec, Sampling, ServeSettings, Template, default
+
 from .generate import AnswerText, answer_stats, answer_text
 from .sampling import settings
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-END_OF_INPUT_BYTES = 64 * 1024 * 1024  # a larger body is refused without reading it
+DRAINED_BODY_BYTES = 64 * 1024 * 1024  # an over-size body up to this is read, then refused;
+# a larger one is refused without reading it
 SAMPLING_FIELDS = {  # OpenAI field -> (our setting, accepted types)
     "temperature": ("temp", (int, float)),
     "top_p": ("top_p", (int, float)),
@@ -38,7 +42,6 @@ SAMPLING_FIELDS = {  # OpenAI field -> (our setting, accepted types)
 }
 DEFAULT_MAX_TOKENS = 512
 PING_S = 2.0  # an idle rank 0 shows every rank it is still there this often
-END_OF_INPUT_TIMEOUT_S = 30.0  # a drain cancels what is still being decoded after this
 STALE_S = 60.0  # /health says "stalled" when the ranks have not met for this long
 
 
@@ -51,7 +54,7 @@ class RequestError(ValueError):
 
 
 @dataclass
-class Job:
+class ApiRequest:
     kind: str  # "chat" or "completion"
     body: dict
     stream: bool
@@ -103,20 +106,24 @@ def check_body(kind: str, body: Any, model_ids: set[str]) -> None:
         raise RequestError(400, "'tools' must be a list")
 
 
-def request_options(body: dict) -> dict:
-    """The launcher-request shape that node.sampling.settings takes."""
-    options: dict[str, Any] = {
+def request_sampling(body: dict) -> Sampling:
+    """The Sampling of an OpenAI request body (checked by check_body)."""
+    chosen: dict[str, Any] = {
         ours: body[name]
         for name, (ours, _) in SAMPLING_FIELDS.items()
         if body.get(name) is not None
     }
-    options["max_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens")
-    options["max_tokens"] = options["max_tokens"] or DEFAULT_MAX_TOKENS
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     stop = body.get("stop")
-    options["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
-    if body.get("tools"):
-        options["tools"] = body["tools"]
-    return options
+    return Sampling(
+        max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        **chosen,
+    )
+
+
+def request_template(body: dict) -> Template:
+    return Template(tools=body.get("tools") or None)
 
 
 def _text(content) -> str:
@@ -125,14 +132,14 @@ def _text(content) -> str:
     return content or ""
 
 
-def prompt_of(job: Job, tokenizer) -> list[int]:
+def prompt_of(job: ApiRequest, tokenizer) -> list[int]:
     from .generate import render
 
     if job.kind == "chat":
         messages = [
             {"role": m["role"], "content": _text(m.get("content"))} for m in job.body["messages"]
         ]
-        return render(tokenizer, messages, request_options(job.body))
+        return render(tokenizer, messages, request_template(job.body))
     return tokenizer.encode(job.body["prompt"])
 
 
@@ -140,12 +147,12 @@ class Server:
     """Rank 0's HTTP side: a queue of jobs for the main thread."""
 
     def __init__(self, host: str, port: int, model_id: str, info: dict, api_key: str | None):
-        self.jobs: queue.Queue[Job | None] = queue.Queue()  # None wakes the main thread
+        self.jobs: queue.Queue[ApiRequest | None] = queue.Queue()  # None wakes the main thread
         self.model_id = model_id
         self.info = info
         self.api_key = api_key
         self.draining = threading.Event()  # no new requests; quit once the last one is done
-        self.drain_timeout = END_OF_INPUT_TIMEOUT_S
+        self.drain_timeout = default(ServeSettings, "drain_timeout")
         self.last_contact = time.monotonic()  # when every rank last met in a collective
         server = self
 
@@ -183,7 +190,7 @@ class Server:
                     return self.error(
                         RequestError(503, "the server is shutting down", "server_error")
                     )
-                job = Job(kind, body, bool(body.get("stream")), model=model_id)
+                job = ApiRequest(kind, body, bool(body.get("stream")), model=model_id)
                 server.jobs.put(job)
                 if job.stream:
                     self.stream(job)
@@ -197,7 +204,7 @@ class Server:
                     raise RequestError(400, "bad Content-Length") from None
                 if size > MAX_BODY_BYTES:
                     self.close_connection = True
-                    if size <= END_OF_INPUT_BYTES:  # read it, so the client is not cut off mid-send
+                    if size <= DRAINED_BODY_BYTES:  # read it, so the client is not cut off mid-send
                         while size > 0:
                             size -= len(self.rfile.read(min(size, 1 << 20)) or b"x" * size)
                     raise RequestError(413, f"the body is over {MAX_BODY_BYTES} bytes")
@@ -217,7 +224,7 @@ class Server:
             def error(self, e: RequestError) -> None:
                 self.reply(e.status, {"error": {"message": str(e), "type": e.kind, "code": None}})
 
-            def collect(self, job: Job) -> None:
+            def collect(self, job: ApiRequest) -> None:
                 parts = []
                 while (item := job.chunks.get()) is not END:
                     if isinstance(item, RequestError):
@@ -225,7 +232,7 @@ class Server:
                     parts.append(item)
                 self.reply(200, completion_body(job, "".join(parts), job.result))
 
-            def stream(self, job: Job) -> None:
+            def stream(self, job: ApiRequest) -> None:
                 first = job.chunks.get()
                 if isinstance(first, RequestError):
                     return self.error(first)
@@ -302,7 +309,7 @@ def start_drain_listener(server: Server) -> None:
     threading.Thread(target=listen, daemon=True, name="drain").start()
 
 
-def completion_body(job: Job, text: str, result: dict) -> dict:
+def completion_body(job: ApiRequest, text: str, result: dict) -> dict:
     if job.kind == "chat":
         choice = {
             "index": 0,
@@ -324,7 +331,9 @@ def completion_body(job: Job, text: str, result: dict) -> dict:
     }
 
 
-def chunk_body(job: Job, delta, finish: str | None = None, usage: dict | None = None) -> dict:
+def chunk_body(
+    job: ApiRequest, delta, finish: str | None = None, usage: dict | None = None
+) -> dict:
     if job.kind == "chat":
         if isinstance(delta, str):
             delta = {"content": delta}
@@ -349,7 +358,7 @@ def chunk_body(job: Job, delta, finish: str | None = None, usage: dict | None = 
 class Live:
     """Rank 0's view of one request in the batch."""
 
-    job: Job
+    job: ApiRequest
     detokenizer: Any
     text: AnswerText
     prompt_n: int
@@ -372,13 +381,13 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.emit = emit
         self.batched = batched
-        self.waiting: deque[tuple[Job, dict]] = deque()
-        self.inserting: list[tuple[Job, dict]] = []  # in the order just shared
+        self.waiting: deque[tuple[ApiRequest, dict]] = deque()
+        self.inserting: list[tuple[ApiRequest, dict]] = []  # in the order just shared
         self.lives: dict[int, Live] = {}
         self.removals: list[int] = []
         self.drain_deadline: float | None = None
 
-    def take(self, job: Job | None) -> None:
+    def take(self, job: ApiRequest | None) -> None:
         """A job from the HTTP side into the waiting line, or its 4xx to the client."""
         if job is None:  # a wake-up (drain)
             return
@@ -386,7 +395,7 @@ class Scheduler:
             tokens = prompt_of(job, self.tokenizer)
             if not tokens:
                 raise RequestError(400, "the prompt is empty after tokenization")
-            request = {"tokens": tokens, **settings(request_options(job.body))}
+            request = {"tokens": tokens, **settings(request_sampling(job.body))}
             request["seeded"] = job.body.get("seed") is not None
             self.waiting.append((job, request))
         except RequestError as e:
@@ -498,62 +507,55 @@ class Scheduler:
         )
         one.job.result = stats
         one.job.chunks.put(END)
-        self.emit("stats", **stats)
+        self.emit(Stats(**stats))
 
     def single(self, answer) -> None:
         job, _ = self.inserting.pop()
         job.result = answer.stats
         job.chunks.put(END)
-        self.emit("stats", **answer.stats)
+        self.emit(Stats(**answer.stats))
 
 
-def run_serve(loaded, group, spec: dict, emit) -> None:
+def run_serve(loaded, group, spec: JobSpec, emit) -> None:
     """Every rank's loop: rank 0 says what to do each round, every rank does it; returns once
     rank 0 says quit (a drain ended)."""
     import mlx.core as mx
 
-    from .batch import PROMPT_CACHE_SIZE, Lockstep, batchable
+    from .batch import Lockstep, batchable
     from .generate import generate
-    from .share import share_object
+    from .share import share_from_rank0, share_object
 
     rank0 = group.rank() == 0
-    options = spec.get("serve") or {}
+    options = spec.serve  # rank 0's; the others get what they need in ``setup``
     server = scheduler = None
-    if rank0:
-        local = Path(spec["model"]).expanduser()
-        model_id = local.name if local.exists() else spec["model"]
-        info = {"model": model_id, "mode": spec["mode"], "ranks": group.size()}
+
+    def start_server() -> dict:
+        """Rank 0: listen, then share the setup every rank must agree on: the random state,
+        batch limits and prompt cache (generators with other limits would schedule
+        differently)."""
+        nonlocal server
+        local = Path(spec.model).expanduser()
+        model_id = local.name if local.exists() else spec.model
+        info = {"model": model_id, "mode": spec.mode, "ranks": group.size()}
         try:
-            server = Server(
-                options["host"], options["port"], model_id, info, options.get("api_key")
-            )
+            server = Server(options.host, options.port, model_id, info, options.api_key)
         except OSError as e:
             from cluster.modelcheck import ModelError
 
-            share_object({"error": f"cannot listen on {options['host']}:{options['port']}"}, group)
             raise ModelError(
-                f"cannot listen on {options['host']}:{options['port']} ({e.strerror}); "
+                f"cannot listen on {options.host}:{options.port} ({e.strerror}); "
                 "pass another --port"
             ) from None
-        server.drain_timeout = options.get("drain_timeout", END_OF_INPUT_TIMEOUT_S)
+        server.drain_timeout = options.drain_timeout
         start_drain_listener(server)
-    # every rank: the same random state, batch limits and prompt cache (only rank 0's spec
-    # has the serve options; generators with other limits would schedule differently)
-    setup = share_object(
-        {
+        return {
             "seed": secrets.randbits(31),
-            "decode_concurrency": options.get("decode_concurrency", 32),
-            "prompt_concurrency": options.get("prompt_concurrency", 8),
-            "prompt_cache_size": options.get("prompt_cache_size", PROMPT_CACHE_SIZE),
+            "decode_concurrency": options.decode_concurrency,
+            "prompt_concurrency": options.prompt_concurrency,
+            "prompt_cache_size": options.prompt_cache_size,
         }
-        if rank0
-        else None,
-        group,
-    )
-    if "error" in setup:
-        from .share import PeerFailed
 
-        raise PeerFailed(f"rank 0 failed: {setup['error']}")
+    setup = share_from_rank0(start_server if rank0 else None, group, "start the server")
     mx.random.seed(setup["seed"])
     batched = batchable(loaded.model)
     batch = (
@@ -571,7 +573,7 @@ def run_serve(loaded, group, spec: dict, emit) -> None:
         scheduler = Scheduler(server, loaded.tokenizer, emit, batched)
         host, port = server.httpd.server_address[:2]
         how = "batched" if batched else "one request at a time (its caches cannot be batched)"
-        emit("notice", message=f"serving {server.model_id} on http://{host}:{port}/v1, {how}")
+        emit(Notice(f"serving {server.model_id} on http://{host}:{port}/v1, {how}"))
     live = 0
     while True:
         order = scheduler.order(live) if rank0 else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -141,3 +142,23 @@ def share_object(
         if rank != 0:
             out[start : start + n] = memoryview(received)
     return decode(data if rank == 0 else bytes(out))
+
+
+FAILED_KEY = "$rank0_failed"
+
+
+def share_from_rank0(make: Callable[[], Any] | None, group, what: str) -> Any:
+    """Rank 0 (``make`` given) builds an object and shares it; the others (``make`` None)
+    receive it. If ``make`` raises, rank 0 still shares the error before re-raising, so the
+    other ranks raise PeerFailed naming ``what`` instead of waiting in a collective forever."""
+    obj = None
+    if make is not None:
+        try:
+            obj = make()
+        except Exception as e:
+            share_object({FAILED_KEY: f"{type(e).__name__}: {e}"}, group)
+            raise
+    obj = share_object(obj, group)
+    if isinstance(obj, dict) and FAILED_KEY in obj:
+        raise PeerFailed(f"rank 0 failed to {what}: {obj[FAILED_KEY]}")
+    return obj

@@ -32,7 +32,7 @@ def load_vlm(view: Path, model_dir: Path):
 
 
 def make_vlm_request(
-    processor, config: Any, prompt: str, image: bytes | None, options: dict
+    processor, config: Any, prompt: str, image: bytes | None, options: dict[str, Any]
 ) -> dict:
     """Rank 0's work order: the templated prompt and the raw image bytes."""
     from mlx_vlm.prompt_utils import apply_chat_template
@@ -65,22 +65,24 @@ def generate_vlm(
     from mlx_vlm.generate.common import generation_stream
 
     from .generate import AnswerText, stream
+    from .sampling import sampling_of
 
-    mx.random.seed(request["seed"])
+    s = sampling_of(request)
+    mx.random.seed(s.seed)
     images = [_image(request["image"])] if request.get("image") else None
     responses = stream_generate(
         model,
         processor,
         request["vlm_prompt"],
         image=images,
-        max_tokens=request["max_tokens"],
-        temperature=request["temp"],
-        top_p=request["top_p"],
-        top_k=request["top_k"],
-        min_p=request["min_p"],
-        repetition_penalty=request["repetition_penalty"],
-        presence_penalty=request["presence_penalty"],
-        frequency_penalty=request["frequency_penalty"],
+        max_tokens=s.max_tokens,
+        temperature=s.temp,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
     )
-    text = AnswerText(request["stop"])
+    text = AnswerText(s.stop)
     return stream(responses, write, text, group, gen_stream=generation_stream).stats

@@ -13,15 +13,53 @@ ROOT = Path(__file__).resolve().parent.parent
 CLI = shutil.which("mlx-cluster", path=str(Path(sys.executable).parent)) or "mlx-cluster"
 
 
+def _become_subreaper() -> None:
+    """Orphans of our descendants (a rank whose launcher died) are re-parented to this process
+    instead of init, so they stay countable as ours (Linux prctl PR_SET_CHILD_SUBREAPER)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+
+
+_become_subreaper()
+
+
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> child pids, from /proc (Linux) or ps."""
+    tree: dict[int, list[int]] = {}
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        pid, ppid = map(int, line.split())
+        tree.setdefault(ppid, []).append(pid)
+    return tree
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        out = subprocess.run(["ps", "-o", "args=", "-p", str(pid)], capture_output=True)
+        return out.stdout.decode()
+
+
 def rank_pids() -> list[int]:
-    """Every `python -m node run` process on this machine."""
-    out = subprocess.run(["pgrep", "-f", "--", "-m node run"], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+    """The `python -m node run` processes that this test session started (its descendants,
+    orphans included); never a user's own job running beside the tests."""
+    tree, found, todo = _children(), [], [os.getpid()]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            todo.append(child)
+            if " -m node run " in f" {_cmdline(child)} ":
+                found.append(child)
+    return found
 
 
 @pytest.fixture(autouse=True)
 def no_stray_ranks():
-    """Every test must leave no rank process behind; one that does fails (and is cleaned up)."""
+    """Every test must leave no rank process behind; one that does fails (and those it left
+    are killed: only processes this session started)."""
     before = set(rank_pids())
     yield
     left = [p for p in rank_pids() if p not in before]
@@ -31,6 +69,21 @@ def no_stray_ranks():
         except ProcessLookupError:
             pass
     assert not left, f"rank processes left running: {left}"
+
+
+def invoke(*args, input=None) -> subprocess.CompletedProcess:
+    """mlx-cluster in this process (click's CliRunner): for everything that fails or answers
+    before any rank starts. Same fields as ``run_cli``'s result."""
+    from click.testing import CliRunner
+
+    from cluster.commands import cli
+
+    result = CliRunner().invoke(cli, [str(a) for a in args], input=input)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(
+        ["mlx-cluster", *args], result.exit_code, result.stdout, result.stderr
+    )
 
 
 def run_cli(*args, input=None, timeout=180, env=None):

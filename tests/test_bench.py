@@ -10,7 +10,7 @@ import signal
 import subprocess
 
 import pytest
-from conftest import CLI, ROOT, rank_pids, run_cli
+from conftest import CLI, ROOT, invoke, rank_pids, run_cli
 
 from cluster.bench import (
     BASELINES,
@@ -75,6 +75,7 @@ def sweep(models, tmp_path_factory):
     return p, files, set(baseline_pids()) - before
 
 
+@pytest.mark.e2e
 def test_sweep_finishes_with_every_figure(sweep, models):
     p, files, left = sweep
     assert p.returncode == 0, p.stderr
@@ -91,7 +92,7 @@ def test_sweep_finishes_with_every_figure(sweep, models):
         ("mlx-cluster", "tensor", 2),
         ("mlx-lm", "tensor", 2),
     ]
-    fields = set(blank(Config("mlx-cluster", None, 1), BenchPlan("m", [], [])))
+    fields = set(blank(Config("mlx-cluster", None, 1), BenchPlan(model="m", modes=[], ranks=[])))
     layers = json.loads((models["qwen2"] / "config.json").read_text())["num_hidden_layers"]
     for r in rows:
         assert set(r) >= fields, f"{r['impl']} {r['mode']}: missing {fields - set(r)}"
@@ -133,6 +134,7 @@ def test_sweep_finishes_with_every_figure(sweep, models):
         assert math.isclose(r["comm_share"], r["comm_s_per_token"] * r["generation_tps"]["median"])
 
 
+@pytest.mark.e2e
 def test_ratios_come_from_the_same_run(sweep):
     p, files, _ = sweep
     results = json.loads(files["json"].read_text())["results"]
@@ -160,6 +162,7 @@ def test_ratios_come_from_the_same_run(sweep):
     )
 
 
+@pytest.mark.e2e
 def test_sharded_runs_decode_what_one_process_decodes(sweep, models):
     """Every configuration generated the tokens single-process mlx-lm generates for the same
     synthetic prompt (float32, greedy)."""
@@ -171,6 +174,7 @@ def test_sharded_runs_decode_what_one_process_decodes(sweep, models):
     assert all(r["same_tokens_as_single"] for r in ours if r["ranks"] > 1)
 
 
+@pytest.mark.e2e
 def test_table_csv_and_plot(sweep):
     p, files, _ = sweep
     rows = json.loads(files["json"].read_text())["results"]
@@ -191,6 +195,7 @@ def test_table_csv_and_plot(sweep):
     assert files["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.e2e
 def test_mlx_launch_baseline_and_unsupported_mode(models, tmp_path):
     """mlx.launch itself as a baseline; mlx-lm cannot pipeline llama: reported, not failed."""
     out = tmp_path / "b.json"
@@ -247,12 +252,13 @@ def test_mlx_launch_baseline_and_unsupported_mode(models, tmp_path):
     ],
 )
 def test_bad_input_is_a_clear_error(args, message):
-    p = run_cli("bench", *args, timeout=60)
+    p = invoke("bench", *args)
     assert p.returncode == 2, p.stderr
     assert message in p.stderr, p.stderr
     assert p.stdout == ""
 
 
+@pytest.mark.e2e
 def test_ctrl_c_stops_every_rank_and_keeps_what_was_measured(models, tmp_path):
     out = tmp_path / "b.json"
     proc = subprocess.Popen(
@@ -275,6 +281,7 @@ def test_ctrl_c_stops_every_rank_and_keeps_what_was_measured(models, tmp_path):
     assert not rank_pids()
 
 
+@pytest.mark.e2e
 def test_plan_helpers():
     """The pieces the sweep is made of, on cases a small sweep does not reach."""
     assert spread([]) is None and spread([None, 2.0, 1.0, 3.0])["median"] == 2.0
@@ -297,7 +304,7 @@ def test_plan_helpers():
     assert [h.rdma for h in two.hosts] == [[None, "rdma_en3"], ["rdma_en3", None]]
     slots = first_ranks(parse_hostfile({"hosts": [{"ssh": "a", "slots": 2}, "b"]}), 3)
     assert [(h.target, h.slots) for h in slots.hosts] == [("a", 2), ("b", 1)]
-    plan = BenchPlan("m", ["tensor"], [2], baselines=BASELINES)
+    plan = BenchPlan(model="m", modes=["tensor"], ranks=[2], baselines=BASELINES)
     assert [(c.impl, c.ranks) for c in configs(plan)] == [
         ("mlx-cluster", 1),
         ("mlx-lm", 1),

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import threading
 
+import pytest
 from conftest import CLI, run_cli
 
 TURNS = ["Tell me about lists", "And tuples?", "Which is faster?"]
@@ -36,6 +37,7 @@ def turn_stats(stderr: str) -> list[tuple[int, int]]:
     return [(int(m[1]), int(m[2])) for m in STATS.finditer(stderr)]
 
 
+@pytest.mark.e2e
 def test_three_turns_through_stdin(models):
     answers, sizes = reference_chat(models["qwen2"], TURNS, 16)
     p = run_cli(
@@ -52,6 +54,7 @@ def test_three_turns_through_stdin(models):
         assert prefilled + reused == size, stats
 
 
+@pytest.mark.e2e
 def test_reset_and_exit(models):
     answers, _ = reference_chat(models["qwen2"], TURNS[:1], 12)
     p = run_cli(
@@ -63,6 +66,7 @@ def test_reset_and_exit(models):
     assert "conversation reset" in p.stderr
 
 
+@pytest.mark.e2e
 def test_without_template_warns_and_goes_on(models):
     p = run_cli("chat", "--model", models["llama"], "--max-tokens", 8, input="hello\n")
     assert p.returncode == 0, p.stderr
@@ -70,6 +74,7 @@ def test_without_template_warns_and_goes_on(models):
     assert p.stdout.endswith("\n") and len(p.stdout) > 1
 
 
+@pytest.mark.e2e
 def test_ctrl_c_cancels_the_answer_and_keeps_the_session(models):
     proc = subprocess.Popen(
         [CLI, "chat", "--model", str(models["endless"]), "--max-tokens", "100000"],

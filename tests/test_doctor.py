@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import run_cli
 
 
@@ -21,6 +22,7 @@ def hostfile(sshd, tmp_path, python_for_ssh_host=None):
     return path
 
 
+@pytest.mark.e2e
 def test_all_ok_on_loopback(sshd, models, tmp_path):
     p = run_cli("doctor", "--hostfile", hostfile(sshd, tmp_path), "--model", models["llama"])
     assert p.returncode == 0, p.stdout + p.stderr
@@ -47,6 +49,7 @@ def test_all_ok_on_loopback(sshd, models, tmp_path):
     )
 
 
+@pytest.mark.e2e
 def test_version_mismatch_is_a_failure(sshd, tmp_path):
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
@@ -57,6 +60,7 @@ def test_version_mismatch_is_a_failure(sshd, tmp_path):
     assert "FAIL" in p.stdout.splitlines()[2]
 
 
+@pytest.mark.e2e
 def test_model_that_does_not_fit(sshd, models, tmp_path):
     path = tmp_path / "h.yaml"
     path.write_text("hosts:\n  - ssh: localhost\n    slots: 2\n    memory_gb: 0.0001\n")
@@ -65,6 +69,7 @@ def test_model_that_does_not_fit(sshd, models, tmp_path):
     assert "does not fit in 85% of 0.0 GB" in p.stdout
 
 
+@pytest.mark.e2e
 def test_busy_port_and_missing_rdma(tmp_path):
     import socket
 

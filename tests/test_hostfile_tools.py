@@ -40,6 +40,7 @@ def addresses(commands: list[str]) -> dict[str, str]:
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "case, backend, order",
     [
@@ -99,6 +100,7 @@ def test_discover_from_each_fixture(case, backend, order, tmp_path):
         assert "a: not a Mac, ignored: TS4" in p.stderr
 
 
+@pytest.mark.e2e
 def test_missing_cable_named_and_bad_fixtures_explained():
     p = discover("missing-cable", "--backend", "jaccl")
     assert p.returncode == 1 and "missing: a - c" in p.stderr and "jaccl-ring" in p.stderr
@@ -118,6 +120,7 @@ def test_missing_cable_named_and_bad_fixtures_explained():
     assert p.returncode == 1 and "no saved outputs for host z" in p.stderr
 
 
+@pytest.mark.e2e
 def test_discover_over_ssh_names_a_host_that_is_not_a_mac(sshd, tmp_path):
     hf = tmp_path / "hosts.yaml"
     hf.write_text(sshd.hostfile(f"  - ssh: 127.0.0.1:{sshd.port}\n", sys.executable))
@@ -130,6 +133,7 @@ def test_discover_over_ssh_names_a_host_that_is_not_a_mac(sshd, tmp_path):
     assert "macOS hosts" in p.stderr
 
 
+@pytest.mark.e2e
 def test_check_names_the_problem_and_summarises(tmp_path):
     p = run_cli("hostfile", "check", REPO / "hostfiles" / "jaccl-mesh.yaml")
     assert p.returncode == 0, p.stderr
@@ -149,6 +153,7 @@ def test_check_names_the_problem_and_summarises(tmp_path):
     assert p.returncode == 2 and "host 0 (a): unknown field(s) slot" in p.stderr
 
 
+@pytest.mark.e2e
 def test_convert_round_trip_and_mlx_launch_runs_the_json(tmp_path):
     src = REPO / "hostfiles" / "thunderbolt-ring.yaml"
     p = run_cli("hostfile", "convert", src)
@@ -189,6 +194,7 @@ def test_convert_round_trip_and_mlx_launch_runs_the_json(tmp_path):
     assert sorted(p.stdout.split("\n")[:2]) == ["0 2 2", "1 2 2"]
 
 
+@pytest.mark.e2e
 def test_apply_runs_each_hosts_commands_and_names_a_host_that_fails(tmp_path):
     """Two "hosts" on this machine; a stand-in sudo records what it is asked (no real network
     command runs) and refuses on one host, as a Mac without passwordless sudo does."""
@@ -223,6 +229,7 @@ def test_apply_runs_each_hosts_commands_and_names_a_host_that_fails(tmp_path):
     ]
 
 
+@pytest.mark.e2e
 def test_discover_from_a_hostfile_keeps_how_hosts_are_reached(tmp_path):
     given = tmp_path / "given.yaml"
     given.write_text("ssh: {user: me, port: 2222}\nhosts:\n  - ssh: a\n  - ssh: b\n")

@@ -25,6 +25,7 @@ def rig(sshd, tmp_path, python: str) -> Path:
     return path
 
 
+@pytest.mark.e2e
 def test_install_makes_the_venv_installs_this_checkout_and_ranks_run_from_it(
     sshd, models, tmp_path, request
 ):
@@ -63,6 +64,7 @@ def test_install_makes_the_venv_installs_this_checkout_and_ranks_run_from_it(
     assert f"installed for ~/{name}/bin/python" in p.stdout and "created" not in p.stdout
 
 
+@pytest.mark.e2e
 def test_install_names_a_python_it_cannot_make(sshd, tmp_path):
     hf = rig(sshd, tmp_path, "/nowhere/python3-custom")
     p = run_cli("install", "--hostfile", hf)

@@ -8,7 +8,7 @@ import socket
 import subprocess
 
 import pytest
-from conftest import CLI, ROOT, rank_pids, reference, run_cli, start_streaming
+from conftest import CLI, ROOT, invoke, rank_pids, reference, run_cli, start_streaming
 
 from cluster.modelcheck import default_model_path
 
@@ -16,6 +16,7 @@ PROMPT = "Tell me about lists"
 TOKENS = 40
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
@@ -39,12 +40,14 @@ def test_sharded_output_equals_single_process(models, family, ranks, mode):
     assert f"generated {TOKENS} tokens" in p.stderr
 
 
+@pytest.mark.e2e
 def test_one_rank_equals_single_process(models):
     p = run_cli("launch", "-n", 1, "--model", models["llama"], "--max-tokens", TOKENS, PROMPT)
     assert p.returncode == 0, p.stderr
     assert p.stdout == reference(models["llama"], PROMPT, TOKENS)
 
 
+@pytest.mark.e2e
 def test_default_command_uses_embedded_model():
     """The README's command: no hostfile, no model: 2 ranks, pipeline, embedded model."""
     p = run_cli("launch", "--max-tokens", 48, PROMPT)
@@ -56,6 +59,7 @@ def test_default_command_uses_embedded_model():
     assert "starting 2 rank(s), pipeline mode, ring backend" in p.stderr
 
 
+@pytest.mark.e2e
 def test_prompt_from_stdin(models):
     expected = reference(models["qwen2"], PROMPT, 16)
     for args in (["-"], []):
@@ -64,6 +68,7 @@ def test_prompt_from_stdin(models):
         assert p.stdout == expected
 
 
+@pytest.mark.e2e
 def test_local_yaml_hostfile_is_the_default(models):
     p = run_cli(
         "launch",
@@ -79,6 +84,7 @@ def test_local_yaml_hostfile_is_the_default(models):
     assert p.stdout == reference(models["llama"], PROMPT, 16)
 
 
+@pytest.mark.e2e
 def test_mlx_launch_json_hostfile(models, tmp_path):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(
@@ -104,7 +110,7 @@ def test_mlx_launch_json_hostfile(models, tmp_path):
 
 
 def test_missing_hostfile(tmp_path):
-    p = run_cli("launch", "--hostfile", tmp_path / "nope.yaml", PROMPT)
+    p = invoke("launch", "--hostfile", tmp_path / "nope.yaml", PROMPT)
     assert p.returncode == 2
     assert "nope.yaml: hostfile not found" in p.stderr
 
@@ -112,7 +118,7 @@ def test_missing_hostfile(tmp_path):
 def test_malformed_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("hosts: [ {ssh: a\n")
-    p = run_cli("launch", "--hostfile", bad, PROMPT)
+    p = invoke("launch", "--hostfile", bad, PROMPT)
     assert p.returncode == 2
     assert "bad.yaml: not valid YAML" in p.stderr
 
@@ -120,54 +126,54 @@ def test_malformed_yaml(tmp_path):
 def test_bad_host_field_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("hosts:\n  - ssh: localhost\n  - ssh: studio-2.local\n    slots: zero\n")
-    p = run_cli("launch", "--hostfile", bad, PROMPT)
+    p = invoke("launch", "--hostfile", bad, PROMPT)
     assert p.returncode == 2
     assert "bad.yaml: host 1 (studio-2.local): field 'slots'" in p.stderr
 
 
 def test_unknown_backend(tmp_path):
-    p = run_cli("launch", "--backend", "mpi", PROMPT)
+    p = invoke("launch", "--backend", "mpi", PROMPT)
     assert p.returncode == 2
     assert "'mpi' is not one of 'ring', 'jaccl', 'jaccl-ring'" in p.stderr
     hf = tmp_path / "h.yaml"
     hf.write_text("backend: nccl\nhosts: [localhost]\n")
-    p = run_cli("launch", "--hostfile", hf, PROMPT)
+    p = invoke("launch", "--hostfile", hf, PROMPT)
     assert p.returncode == 2
     assert "field 'backend': unknown backend 'nccl'" in p.stderr
 
 
 def test_jaccl_needs_one_rank_per_host_and_rdma(tmp_path):
-    p = run_cli("launch", "--backend", "jaccl", PROMPT)
+    p = invoke("launch", "--backend", "jaccl", PROMPT)
     assert p.returncode == 2
     assert "field 'slots': jaccl runs one rank per host" in p.stderr
     hf = tmp_path / "h.yaml"
     hf.write_text("backend: jaccl-ring\nhosts: [localhost, 127.0.0.1]\n")
-    p = run_cli("launch", "--hostfile", hf, PROMPT)
+    p = invoke("launch", "--hostfile", hf, PROMPT)
     assert p.returncode == 2
     assert "field 'rdma' is required by jaccl-ring on host 0 (localhost), host 1" in p.stderr
 
 
 def test_model_path_missing(tmp_path):
-    p = run_cli("launch", "--model", tmp_path / "no-such-model", PROMPT)
+    p = invoke("launch", "--model", tmp_path / "no-such-model", PROMPT)
     assert p.returncode == 2
     assert "no-such-model: no such model directory" in p.stderr
 
 
 def test_not_a_checkpoint(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    p = run_cli("launch", "--model", tmp_path, PROMPT)
+    p = invoke("launch", "--model", tmp_path, PROMPT)
     assert p.returncode == 2
     assert "not an MLX/Hugging Face checkpoint (no config.json)" in p.stderr
 
 
 def test_more_ranks_than_layers(models):
-    p = run_cli("launch", "-n", 7, "--model", models["llama"], PROMPT)
+    p = invoke("launch", "-n", 7, "--model", models["llama"], PROMPT)
     assert p.returncode == 2
     assert "the model has 6 layers but 7 ranks were asked for" in p.stderr
 
 
 def test_heads_not_divisible(models):
-    p = run_cli("launch", "-n", 4, "--mode", "tensor", "--model", models["qwen2"], PROMPT)
+    p = invoke("launch", "-n", 4, "--mode", "tensor", "--model", models["qwen2"], PROMPT)
     assert p.returncode == 2
     assert "num_key_value_heads=6 is not divisible by 4 ranks (rank counts that" in p.stderr
     assert "starting" not in p.stderr  # refused before any rank starts
@@ -178,11 +184,12 @@ def test_port_already_taken(models):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        p = run_cli("launch", "--starting-port", port, "--model", models["llama"], PROMPT)
+        p = invoke("launch", "--starting-port", port, "--model", models["llama"], PROMPT)
     assert p.returncode == 2
     assert f"port {port} on 127.0.0.1 (rank 0, host 0 (localhost)) is already in use" in p.stderr
 
 
+@pytest.mark.e2e
 def test_rank_crash_while_loading(models, tmp_path):
     """Rank 1 alone reads the file of layers 0-1; it is truncated, so only rank 1 fails."""
     broken = tmp_path / "broken"
@@ -200,13 +207,13 @@ def test_rank_crash_while_loading(models, tmp_path):
 
 
 def test_empty_prompt():
-    p = run_cli("launch", input="  \n")
+    p = invoke("launch", input="  \n")
     assert p.returncode == 2
     assert "the prompt is empty" in p.stderr
 
 
 def test_help_explains_options():
-    p = run_cli("launch", "--help")
+    p = invoke("launch", "--help")
     assert p.returncode == 0
     for option in (
         "--hostfile",
@@ -235,6 +242,7 @@ def finish(proc, timeout=20):
     return proc.returncode, err.decode()
 
 
+@pytest.mark.e2e
 def test_ctrl_c_stops_every_rank(models):
     proc = start_long_job(models["endless"])
     assert len(rank_pids()) == 2
@@ -245,6 +253,7 @@ def test_ctrl_c_stops_every_rank(models):
     assert rank_pids() == []
 
 
+@pytest.mark.e2e
 def test_sigterm_stops_every_rank(models):
     proc = start_long_job(models["endless"])
     proc.send_signal(signal.SIGTERM)
@@ -253,6 +262,7 @@ def test_sigterm_stops_every_rank(models):
     assert rank_pids() == []
 
 
+@pytest.mark.e2e
 def test_killed_rank_mid_generation_stops_the_job(models):
     proc = start_long_job(models["endless"])
     victim = subprocess.run(
@@ -266,6 +276,7 @@ def test_killed_rank_mid_generation_stops_the_job(models):
     assert rank_pids() == []
 
 
+@pytest.mark.e2e
 def test_closed_stdout_stops_every_rank(models):
     """`mlx-cluster launch ... | head -c 20`: the reader leaves, the ranks stop, no traceback."""
     p = subprocess.run(
@@ -282,6 +293,7 @@ def test_closed_stdout_stops_every_rank(models):
     assert rank_pids() == []
 
 
+@pytest.mark.e2e
 def test_seeded_sampling_agrees_across_ranks_and_runs(models):
     """temp > 0: the shared seed makes every rank pick the same token, and runs repeat."""
     import mlx.core as mx
@@ -314,6 +326,7 @@ def test_seeded_sampling_agrees_across_ranks_and_runs(models):
         assert again.stdout == run_cli(*args, "--mode", mode).stdout
 
 
+@pytest.mark.e2e
 def test_pipeline_rank_reads_only_its_files(models):
     """6 layers, 2 per file: rank 0 holds layers 3-5, rank 1 layers 0-2 (mlx-lm's order)."""
     index = json.loads((models["llama"] / "model.safetensors.index.json").read_text())
@@ -344,6 +357,7 @@ def ready_lines(stderr):
     }
 
 
+@pytest.mark.e2e
 def test_explicit_split(models):
     p = run_cli(
         "launch",
@@ -362,6 +376,7 @@ def test_explicit_split(models):
     assert "layers 2-5" in lines[0] and "layers 0-1" in lines[1]
 
 
+@pytest.mark.e2e
 def test_split_weighted_by_memory(models, tmp_path):
     hf = tmp_path / "h.yaml"
     hf.write_text(
@@ -395,6 +410,6 @@ def test_split_weighted_by_memory(models, tmp_path):
     ],
 )
 def test_bad_split(models, split, message):
-    p = run_cli("launch", "--split", split, "--model", models["llama"], PROMPT)
+    p = invoke("launch", "--split", split, "--model", models["llama"], PROMPT)
     assert p.returncode == 2
     assert message in p.stderr

@@ -21,6 +21,7 @@ DOCS = parse((ROOT / "docs" / "models.md").read_text())
 NOT_SHARDABLE = ("no tensor-parallel support in mlx-lm", "vision-language models in pipeline")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family", [*TEXT_FAMILIES, *VLM_FAMILIES])
 def test_matrix_row_is_what_docs_say(family, tmp_path):
     """Each cell as docs/models.md records it; the required cells match single-process."""
@@ -49,6 +50,7 @@ def vlm(tmp_path_factory):
     return make_vlm(base / "paligemma"), base
 
 
+@pytest.mark.e2e
 def test_image_bytes_reach_every_rank(vlm):
     """Two pictures, two answers, each the one single-process mlx-vlm gives for it."""
     model, base = vlm
@@ -69,6 +71,7 @@ def test_image_bytes_reach_every_rank(vlm):
     assert answers[0] != answers[1]
 
 
+@pytest.mark.e2e
 def test_image_errors_before_any_rank_starts(vlm, models, tmp_path):
     model, base = vlm
     picture = make_image(base / "c.png")
@@ -86,6 +89,7 @@ def test_image_errors_before_any_rank_starts(vlm, models, tmp_path):
     assert "is not an image file PIL can read" in p.stderr
 
 
+@pytest.mark.e2e
 def test_missing_weight_is_named(models, tmp_path):
     """A weight absent from the files (strict=False loading would keep it random) is an
     error that names it, from the rank that needs it."""
@@ -111,6 +115,7 @@ def peak_memory(stderr: str) -> list[float]:
     return [float(part.split()[2]) for part in line.split(": ", 2)[2].split(", ")]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
 def test_each_rank_holds_about_half(mode, tmp_path_factory):
     """A weights-dominated model (~110 MB float32): every rank's peak at N=2 is under 0.6 of

@@ -14,6 +14,7 @@ def quantized(request, tmp_path_factory):
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
 def test_quantized_sharded_equals_single_process(quantized, mode):
     expected = reference(quantized, PROMPT, 32)

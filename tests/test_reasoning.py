@@ -4,7 +4,7 @@ template's switches end to end."""
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import invoke, run_cli
 from tiny import make_model
 
 from node.reasoning import Rewrite, held_back, normalizer, opens_in_thought
@@ -106,6 +106,7 @@ def single_process(model_dir, **template_args) -> str:
     return generate(model, tokenizer, ids, max_tokens=20, sampler=make_sampler(0.0))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("thinking", [True, False])
 def test_template_switches_reach_the_template(thinker, tmp_path, thinking):
     tools = tmp_path / "tools.json"
@@ -125,6 +126,6 @@ def test_template_switches_reach_the_template(thinker, tmp_path, thinking):
 def test_bad_tools_file(thinker, tmp_path):
     tools = tmp_path / "tools.json"
     tools.write_text('{"name": "x"}')
-    p = run_cli("launch", "--model", thinker, "--tools", tools, "hi")
+    p = invoke("launch", "--model", thinker, "--tools", tools, "hi")
     assert p.returncode == 2
     assert "want a JSON list of tool objects" in p.stderr

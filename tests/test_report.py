@@ -1,6 +1,6 @@
 """Which rank a failure report blames, when several ranks fail one after another."""
 
-from cluster.launcher import RankState, _culprit, _failure_report
+from cluster.jobstate import RankState, culprit, failure_report
 
 
 def test_the_earliest_reported_error_is_the_cause():
@@ -11,21 +11,21 @@ def test_the_earliest_reported_error_is_the_cause():
         0, "localhost", phase="loading", exit_code=1, error="[ring] Recv failed", error_t=100.2
     )
     # rank 0's exit arrived first, but rank 1 failed first
-    assert _culprit(peer, [peer, cause]) is cause
-    report = _failure_report(_culprit(peer, [peer, cause]), [peer, cause], 2)
+    assert culprit(peer, [peer, cause]) is cause
+    report = failure_report(culprit(peer, [peer, cause]), [peer, cause])
     assert report.startswith("error: rank 1 of 2 on localhost failed while loading")
 
 
 def test_peer_notices_and_silence_do_not_move_the_blame():
     stopped = RankState(2, "mac3", exit_code=-9, unresponsive=True)
     noisy = RankState(0, "mac1", exit_code=1, error_t=5.0)
-    assert _culprit(stopped, [noisy, stopped]) is stopped
+    assert culprit(stopped, [noisy, stopped]) is stopped
     unreported = RankState(1, "mac2", exit_code=-9)
-    assert _culprit(unreported, [unreported]) is unreported
+    assert culprit(unreported, [unreported]) is unreported
 
 
 def test_a_rank_killed_without_a_word_beats_peers_that_lost_it():
     killed = RankState(2, "mac3", exit_code=255)
     peer1 = RankState(1, "mac2", exit_code=1, error="[ring] connection to a peer was lost")
     ours = RankState(0, "mac1", exit_code=-15, stopped_by_us=True)
-    assert _culprit(peer1, [ours, peer1, killed]) is killed
+    assert culprit(peer1, [ours, peer1, killed]) is killed

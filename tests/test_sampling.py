@@ -4,7 +4,7 @@ import json
 
 import mlx.core as mx
 import pytest
-from conftest import reference, run_cli
+from conftest import invoke, reference, run_cli
 
 from node.generate import StopText
 from node.sampling import presence_penalty, repetition_penalty
@@ -29,6 +29,7 @@ def sampled_reference(model_dir, max_tokens: int) -> str:
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
 def test_seeded_sampling_repeats(models, mode):
     runs = [
@@ -44,6 +45,7 @@ def test_seeded_sampling_repeats(models, mode):
         assert runs[0].stdout == sampled_reference(models["llama"], 30)
 
 
+@pytest.mark.e2e
 def test_other_seed_other_text(models):
     texts = {
         run_cli("launch", "--model", models["llama"], "--max-tokens", 30, "--temp", 0.8,
@@ -53,6 +55,7 @@ def test_other_seed_other_text(models):
     assert len(texts) == 2
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_stop_string_ends_every_rank(models, ranks):
     full = reference(models["llama"], PROMPT, 200)
@@ -71,6 +74,7 @@ def test_stop_string_ends_every_rank(models, ranks):
     assert "(stop)" in p.stderr
 
 
+@pytest.mark.e2e
 def test_json_answer(models):
     p = run_cli("launch", "--model", models["llama"], "--max-tokens", 16, "--json", PROMPT)
     assert p.returncode == 0, p.stderr
@@ -89,7 +93,7 @@ def test_json_answer(models):
 
 def test_bad_sampling_values_are_usage_errors(models):
     for args in (("--top-p", 0), ("--top-k", -1), ("--min-p", 2), ("--repetition-penalty", 0)):
-        p = run_cli("launch", "--model", models["llama"], *args, PROMPT)
+        p = invoke("launch", "--model", models["llama"], *args, PROMPT)
         assert p.returncode == 2
         assert f"Invalid value for '{args[0]}'" in p.stderr
 

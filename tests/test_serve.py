@@ -92,6 +92,7 @@ def ask(client, max_tokens=16, **kw):
     )
 
 
+@pytest.mark.e2e
 def test_chat_completion(server):
     r = ask(server.client)
     assert r.choices[0].message.content == chat_reference(server.model, 16)
@@ -100,6 +101,7 @@ def test_chat_completion(server):
     assert r.model == "m"
 
 
+@pytest.mark.e2e
 def test_streaming_with_usage(server):
     chunks = list(ask(server.client, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -109,6 +111,7 @@ def test_streaming_with_usage(server):
     assert chunks[-1].usage.completion_tokens == 16
 
 
+@pytest.mark.e2e
 def test_completions_endpoint_and_models(server):
     r = server.client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
     from mlx_lm import generate, load
@@ -122,6 +125,7 @@ def test_completions_endpoint_and_models(server):
     assert [m.id for m in server.client.models.list().data] == ["m"]
 
 
+@pytest.mark.e2e
 def test_eight_concurrent_streams_each_get_the_lone_answer(server):
     expected = chat_reference(server.model, 24)
 
@@ -134,6 +138,7 @@ def test_eight_concurrent_streams_each_get_the_lone_answer(server):
     assert texts == [expected] * 8
 
 
+@pytest.mark.e2e
 def test_client_that_leaves_frees_the_server(server):
     stream = ask(server.client, max_tokens=100_000, stream=True)
     for n, _ in enumerate(stream):
@@ -145,6 +150,7 @@ def test_client_that_leaves_frees_the_server(server):
     assert any("(cancelled)" in line for line in server.log)
 
 
+@pytest.mark.e2e
 def test_bad_requests_get_openai_errors_and_the_ranks_go_on(server):
     status, body = server.post("/v1/chat/completions", b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
@@ -164,6 +170,7 @@ def test_bad_requests_get_openai_errors_and_the_ranks_go_on(server):
     assert ask(server.client).choices[0].message.content == chat_reference(server.model, 16)
 
 
+@pytest.mark.e2e
 def test_two_hundred_mixed_requests_and_no_rank_restarts(server):
     """Malformed, non-streaming, streaming, completions and clients that leave mid-stream, 4 at
     a time: each gets its answer or its 4xx, and the same rank processes serve them all."""
@@ -208,6 +215,7 @@ def conversation_reference(model_dir, messages, max_tokens: int) -> str:
     return generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(0.0))
 
 
+@pytest.mark.e2e
 def test_a_conversation_sent_again_prefills_only_its_new_turn(server):
     first = ask(server.client, max_tokens=16)
     again = ask(server.client, max_tokens=16)  # the same prompt: all but its last token cached
@@ -226,6 +234,7 @@ def test_a_conversation_sent_again_prefills_only_its_new_turn(server):
     assert r.choices[0].message.content == conversation_reference(server.model, messages, 16)
 
 
+@pytest.mark.e2e
 def test_api_key(tmp_path):
     from tiny import make_model
 
@@ -241,6 +250,7 @@ def test_api_key(tmp_path):
         assert served.stop() == 0
 
 
+@pytest.mark.e2e
 def test_health_names_every_rank(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("GET", "/health")
@@ -249,6 +259,7 @@ def test_health_names_every_rank(server):
     assert health["mode"] == "pipeline" and health["last_contact_s"] < 60
 
 
+@pytest.mark.e2e
 def test_seeded_requests_repeat(server):
     def sampled(seed):
         return ask(server.client, max_tokens=16, seed=seed, temperature=0.9)
@@ -258,6 +269,7 @@ def test_seeded_requests_repeat(server):
     assert first.choices[0].message.content != other.choices[0].message.content
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
 def test_batch_on_three_ranks_equals_lone_answers(tmp_path, mode):
     """llama goes through our pipeline stages (skipped cache slots in a batch), tensor mode
@@ -284,6 +296,7 @@ def test_batch_on_three_ranks_equals_lone_answers(tmp_path, mode):
         assert served.stop() == 0
 
 
+@pytest.mark.e2e
 def test_sigint_drains_then_every_rank_exits(tmp_path, models):
     served = Served(models["endless"], "-n", "3")
     assert len(served.pids) == 3
@@ -303,6 +316,7 @@ def test_sigint_drains_then_every_rank_exits(tmp_path, models):
     assert "draining" in log and "drained; all ranks stopped" in log
 
 
+@pytest.mark.e2e
 def test_second_sigint_stops_at_once(tmp_path, models):
     served = Served(models["endless"], "-n", "2")
     stream = served.client.completions.create(
@@ -317,6 +331,7 @@ def test_second_sigint_stops_at_once(tmp_path, models):
     assert "stopped by SIGINT; all ranks stopped" in "".join(served.log)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family, mode", [("llama", "pipeline"), ("qwen2", "tensor")])
 def test_prompt_cache_in_each_mode(tmp_path, family, mode):
     """Our own pipeline stages (llama) and tensor shards keep caches the same way."""
@@ -331,3 +346,23 @@ def test_prompt_cache_in_each_mode(tmp_path, family, mode):
         assert cached[0] == 0 and cached[1] == cached[2] == answers[0].usage.prompt_tokens - 1
     finally:
         assert served.stop() == 0
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_serve_starts_stops_every_rank(models, sig):
+    """Before the ranks are ready there is nothing to drain: the job stops (128 + signal)."""
+    proc = subprocess.Popen(
+        [CLI, "serve", "--model", str(models["llama"]), "--port", str(free_port())],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stderr:  # the launcher has started the ranks; none is ready yet
+        if "starting 2 rank(s)" in line:
+            break
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    assert "AttributeError" not in err and "all ranks stopped" in err
+    assert "serving" not in err and out == ""

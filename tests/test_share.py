@@ -43,6 +43,7 @@ def run_ranks(n, tmp_path, timeout=120):
     return [json.loads(out) for out, _ in outs]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("n", [2, 3])
 def test_share_object_on_real_ranks(n, tmp_path):
     results = run_ranks(n, tmp_path)

@@ -42,6 +42,7 @@ def no_job_dir_left():
     assert job_dirs() - before == set()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("hosts", ["ssh2", "local+ssh2"])
 def test_ranks_over_ssh_match_single_process(sshd, models, tmp_path, hosts):
     layout = over_ssh(sshd, 2) if hosts == "ssh2" else LOCAL + over_ssh(sshd, 2)
@@ -63,6 +64,7 @@ def test_ranks_over_ssh_match_single_process(sshd, models, tmp_path, hosts):
         assert p.stdout == reference(models["llama"], PROMPT, 40)
 
 
+@pytest.mark.e2e
 def test_unknown_host_key_is_refused_then_accepted_on_request(sshd, models, tmp_path):
     known = tmp_path / "known_hosts"
     hf = hostfile(sshd, tmp_path, over_ssh(sshd, 2), known_hosts=known)
@@ -85,6 +87,7 @@ def test_unknown_host_key_is_refused_then_accepted_on_request(sshd, models, tmp_
     assert sshd.known_hosts.read_text().split()[2] in known.read_text()
 
 
+@pytest.mark.e2e
 def test_changed_host_key_is_refused(sshd, models, tmp_path):
     keygen(tmp_path / "other")
     other = (tmp_path / "other.pub").read_text().split()
@@ -98,6 +101,7 @@ def test_changed_host_key_is_refused(sshd, models, tmp_path):
     assert "does not match the one in" in p.stderr and "ssh-keygen -R" in p.stderr
 
 
+@pytest.mark.e2e
 def test_wrong_key_file(sshd, models, tmp_path):
     keygen(tmp_path / "stranger")
     text = sshd.hostfile(over_ssh(sshd, 2), sys.executable).replace(
@@ -110,6 +114,7 @@ def test_wrong_key_file(sshd, models, tmp_path):
     assert f"SSH login as root to 127.0.0.1:{sshd.port} failed with key" in p.stderr
 
 
+@pytest.mark.e2e
 def test_unreachable_port(sshd, models, tmp_path):
     from sshd import free_port
 
@@ -123,6 +128,7 @@ def test_unreachable_port(sshd, models, tmp_path):
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.e2e
 def test_kill_9_of_a_remote_rank_ends_the_job(sshd, models, tmp_path):
     hf = hostfile(sshd, tmp_path, LOCAL + over_ssh(sshd, 2))
     proc = start_streaming(
@@ -141,6 +147,7 @@ def test_kill_9_of_a_remote_rank_ends_the_job(sshd, models, tmp_path):
     assert rank_pids() == []
 
 
+@pytest.mark.e2e
 def test_sigint_with_remote_ranks(sshd, models, tmp_path):
     hf = hostfile(sshd, tmp_path, LOCAL + over_ssh(sshd, 1))
     proc = start_streaming(
@@ -152,6 +159,7 @@ def test_sigint_with_remote_ranks(sshd, models, tmp_path):
     assert rank_pids() == []
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", ["local", "ssh"])
 def test_sigstopped_rank_is_named_after_heartbeat_timeout(sshd, models, tmp_path, where):
     hosts = "  - ssh: localhost\n    slots: 2\n" if where == "local" else LOCAL + over_ssh(sshd, 1)
@@ -181,6 +189,7 @@ def test_sigstopped_rank_is_named_after_heartbeat_timeout(sshd, models, tmp_path
     assert rank_pids() == []
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", ["local", "ssh"])
 def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
     """Rank 0 gets our stdin as it is typed (chat needs it). The "python" here echoes exactly
@@ -189,7 +198,8 @@ def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
     import io
 
     from cluster.hostfile import load_hostfile
-    from cluster.launcher import JobOptions, run_job
+    from cluster.launcher import run_job
+    from cluster.spec import JobSpec
 
     typed = "first line\nzweite Zeile é\n".encode()
     fake = tmp_path / "python-echoes"
@@ -205,7 +215,7 @@ def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
     with open(read_end, "rb") as stdin:
         run_job(
             load_hostfile(path),
-            JobOptions(model=str(models["llama"]), prompt="", forward_stdin=True),
+            JobSpec(model=str(models["llama"]), command="chat"),
             stdout=out,
             stderr=io.StringIO(),
             stdin=stdin,
@@ -213,6 +223,7 @@ def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
     assert out.getvalue() == typed
 
 
+@pytest.mark.e2e
 def test_dropped_ssh_connection_stops_the_orphaned_ranks(sshd, models, tmp_path):
     """Kill sshd's process for our connection: the remote ranks live on, unseen; the launcher
     reports the drop and stops them over a new connection."""
@@ -234,6 +245,7 @@ def test_dropped_ssh_connection_stops_the_orphaned_ranks(sshd, models, tmp_path)
     assert rank_pids() == []
 
 
+@pytest.mark.e2e
 def test_secrets_travel_in_a_private_file_not_argv(sshd, models, tmp_path):
     """HF_TOKEN reaches the remote rank through its 0600 env file; no process has it in argv."""
     fake = tmp_path / "python-shows-env"
@@ -261,6 +273,7 @@ def test_secrets_travel_in_a_private_file_not_argv(sshd, models, tmp_path):
     assert "s3cret" not in p.stderr
 
 
+@pytest.mark.e2e
 def test_start_timeout_names_the_rank(models):
     p = run_cli("launch", "--start-timeout", 1, "--model", models["llama"], PROMPT)
     assert p.returncode == 1
@@ -269,6 +282,7 @@ def test_start_timeout_names_the_rank(models):
     assert rank_pids() == []
 
 
+@pytest.mark.e2e
 def test_bench_over_ssh(sshd, models, tmp_path):
     """bench with a hostfile: --ranks N takes its first N ranks; the remote ranks run over
     SSH; the mlx-lm baseline, which runs only here, says so in its row."""

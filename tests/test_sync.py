@@ -50,6 +50,7 @@ def layer_files(model: Path, start: int, end: int) -> set[str]:
     return files
 
 
+@pytest.mark.e2e
 def test_pipeline_ranks_get_their_files_a_second_sync_sends_nothing_and_ranks_load_it(
     sshd, models, tmp_path
 ):
@@ -86,6 +87,7 @@ def test_pipeline_ranks_get_their_files_a_second_sync_sends_nothing_and_ranks_lo
     assert "are missing" in p.stderr and "sync again with the --mode" in p.stderr
 
 
+@pytest.mark.e2e
 def test_truncated_and_corrupt_files_are_sent_again(sshd, models, tmp_path):
     model = Path(models["qwen2"])
     hf = rig(sshd, tmp_path)
@@ -116,6 +118,7 @@ def test_truncated_and_corrupt_files_are_sent_again(sshd, models, tmp_path):
     assert sha(truncated) == sha(model / weights[0]) and sha(corrupt) == sha(model / weights[1])
 
 
+@pytest.mark.e2e
 def test_a_partial_copy_that_is_not_a_prefix_is_sent_whole(sshd, models, tmp_path):
     model = Path(models["llama"])
     hf = rig(sshd, tmp_path)
@@ -130,6 +133,7 @@ def test_a_partial_copy_that_is_not_a_prefix_is_sent_whole(sshd, models, tmp_pat
     assert sha(tmp_path / "h1" / "llama" / name) == sha(model / name)
 
 
+@pytest.mark.e2e
 def test_human_report_and_errors(sshd, models, tmp_path):
     model = Path(models["llama"])
     hf = rig(sshd, tmp_path, model_dirs=False)
@@ -151,6 +155,7 @@ def test_human_report_and_errors(sshd, models, tmp_path):
     assert p.returncode == 2 and "--model is required" in p.stderr
 
 
+@pytest.mark.e2e
 def test_entries_of_one_host_and_directory_are_copied_once(models, tmp_path):
     """Two entries for this machine with the same model_dir (a rank each): one copy, holding
     both ranks' files, and the second entry says where it went."""
@@ -167,6 +172,7 @@ def test_entries_of_one_host_and_directory_are_copied_once(models, tmp_path):
     assert first["bytes_sent"] == sum(f.stat().st_size for f in model.iterdir())
 
 
+@pytest.mark.e2e
 def test_ctrl_c_keeps_the_partial_copy_and_the_next_sync_resumes_it(sshd, models, tmp_path):
     import os
     import shutil
@@ -204,6 +210,7 @@ def test_ctrl_c_keeps_the_partial_copy_and_the_next_sync_resumes_it(sshd, models
     assert not part.exists()
 
 
+@pytest.mark.e2e
 def test_a_repo_from_the_local_hugging_face_cache(models, tmp_path):
     """--model org/name is looked up in this machine's cache, never fetched."""
     import shutil

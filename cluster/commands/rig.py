@@ -1,7 +1,4 @@
-"""The commands that get a rig ready: ``sync``, ``install`` and ``hostfile``.
-
-Registered on the ``mlx-cluster`` group by cluster.cli (imported at its end).
-"""
+"""The commands that get a rig ready: ``sync``, ``install`` and ``hostfile``."""
 
 from __future__ import annotations
 
@@ -11,11 +8,11 @@ from collections import Counter
 
 import click
 
-from .cli import HOST_OPTIONS, cli, resolve_hostfile, with_options
-from .doctor import fmt_bytes
-from .hostfile import BACKENDS, HostfileError
-from .modelcheck import ModelError
-from .topology import DEFAULT_SUBNETS
+from ..doctor import INSTALL_PROBLEMS, fmt_bytes
+from ..hostfile import BACKENDS, HostfileError
+from ..modelcheck import ModelError
+from ..topology import DEFAULT_SUBNETS
+from .options import HOST, HOSTFILE, resolve_hostfile, with_options
 
 
 def stderr_progress():
@@ -41,8 +38,8 @@ def stderr_progress():
     )
 
 
-@cli.command()
-@with_options(*HOST_OPTIONS[:3], "accept_new_host_keys", "model", "mode", "split")
+@click.command()
+@with_options(*HOST, "model", "mode", "split")
 @click.option(
     "--dest",
     metavar="DIR",
@@ -70,14 +67,11 @@ def sync(hostfile, num_ranks, backend, accept_new_host_keys, model, mode, split,
       mlx-cluster sync --hostfile rig.yaml --model ~/models/Qwen3-235B-4bit
       mlx-cluster sync --hostfile rig.yaml --model mlx-community/Llama-3.3-70B-4bit --mode tensor
     """
-    from .sync import run_sync
+    from ..sync import run_sync
 
     if model is None:
         raise click.UsageError("--model is required: the model directory (or cached repo) to copy")
-    try:
-        hf = resolve_hostfile(hostfile, num_ranks, backend)
-    except HostfileError as e:
-        raise click.UsageError(str(e)) from None
+    hf = resolve_hostfile(hostfile, num_ranks, backend)
     with stderr_progress() as bars:
 
         def progress(host, total):
@@ -123,39 +117,29 @@ def sync(hostfile, num_ranks, backend, accept_new_host_keys, model, mode, split,
     sys.exit(1 if any(r.error for r in results) else 0)
 
 
-@cli.group("hostfile")
+@click.group("hostfile")
 def hostfile_group():
     """Check, convert and discover hostfiles (see docs/hostfile.md)."""
 
 
-def _load(path: str):
-    from .hostfile import load_hostfile
-
-    try:
-        return load_hostfile(path)
-    except HostfileError as e:
-        raise click.UsageError(str(e)) from None
-
-
 @hostfile_group.command("check")
-@click.argument("path", type=click.Path(dir_okay=False))
-def hostfile_check(path):
+@click.argument("hf", metavar="PATH", type=HOSTFILE)
+def hostfile_check(hf):
     """Validate a hostfile (YAML or mlx.launch JSON) without contacting any host.
 
     Prints each host with its ranks and what the backend will use; exits 2 with the file,
     host and field named when something is wrong. `mlx-cluster doctor` then checks the hosts
     themselves.
     """
-    from .backends import rank_envs
+    from ..backends import rank_envs
 
-    hf = _load(path)
     try:
         rank_envs(hf)  # the backend's own checks (rdma devices, addresses)
     except HostfileError as e:
         raise click.UsageError(str(e)) from None
     hosts, ranks = len(hf.hosts), hf.world_size
     click.echo(
-        f"{path}: ok: {hosts} host{'s' * (hosts != 1)}, {ranks} rank{'s' * (ranks != 1)}, "
+        f"{hf.path}: ok: {hosts} host{'s' * (hosts != 1)}, {ranks} rank{'s' * (ranks != 1)}, "
         f"{hf.backend} backend"
     )
     rank = 0
@@ -177,7 +161,7 @@ def hostfile_check(path):
 
 
 @hostfile_group.command("convert")
-@click.argument("path", type=click.Path(dir_okay=False))
+@click.argument("hf", metavar="PATH", type=HOSTFILE)
 @click.option(
     "--to",
     "fmt",
@@ -185,7 +169,7 @@ def hostfile_check(path):
     help="Output format; default: the other one (YAML in, mlx.launch JSON out, and back).",
 )
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here, not stdout.")
-def hostfile_convert(path, fmt, output):
+def hostfile_convert(hf, fmt, output):
     """Convert between our YAML hostfile and mlx.launch's JSON one.
 
     JSON has one entry per rank and no place for slots, memory_gb, python, cwd, model_dir or
@@ -197,10 +181,9 @@ def hostfile_convert(path, fmt, output):
       mlx-cluster hostfile convert rig.yaml -o rig.json && mlx.launch --hostfile rig.json ...
       mlx-cluster hostfile convert rig.json -o rig.yaml
     """
-    from .hostfile import dump_yaml, mlx_launch_json
+    from ..hostfile import dump_yaml, mlx_launch_json
 
-    hf = _load(path)
-    fmt = fmt or ("yaml" if path.endswith(".json") else "json")
+    fmt = fmt or ("yaml" if str(hf.path).endswith(".json") else "json")
     if fmt == "json":
         data, dropped = mlx_launch_json(hf)
         text = json.dumps(data, indent=2) + "\n"
@@ -221,8 +204,8 @@ def gather(hf, accept_new: bool) -> dict[str, dict[str, str | None]]:
     """Each host's outputs of the discovery commands, over SSH (in parallel)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .ssh import SSHError, host_shell
-    from .topology import COMMANDS, TopologyError
+    from ..ssh import SSHError, host_shell
+    from ..topology import COMMANDS, TopologyError
 
     def one(host):
         outputs: dict[str, str | None] = {}
@@ -249,7 +232,7 @@ def read_saved(directory: str, names: list[str]) -> dict[str, dict[str, str | No
     """Outputs saved as DIR/<host>/<file> (see COMMANDS); a missing optional one is None."""
     from pathlib import Path
 
-    from .topology import COMMANDS, TopologyError
+    from ..topology import COMMANDS, TopologyError
 
     outputs = {}
     for name in names:
@@ -266,7 +249,7 @@ def read_saved(directory: str, names: list[str]) -> dict[str, dict[str, str | No
 def save_outputs(directory: str, outputs: dict[str, dict[str, str | None]]) -> None:
     from pathlib import Path
 
-    from .topology import COMMANDS
+    from ..topology import COMMANDS
 
     for name, found in outputs.items():
         d = Path(directory) / name
@@ -278,7 +261,7 @@ def save_outputs(directory: str, outputs: dict[str, dict[str, str | None]]) -> N
 
 def discovered_yaml(hf, plan) -> str:
     """The hostfile, checked by our own parser, with each host's setup commands on top."""
-    from .hostfile import dump_yaml, parse_hostfile
+    from ..hostfile import dump_yaml, parse_hostfile
 
     found = parse_hostfile({"backend": plan.backend, "hosts": plan.hosts}, "<discovered>")
     found.ssh = hf.ssh  # how to reach the hosts stays as it was given
@@ -293,7 +276,7 @@ def discovered_yaml(hf, plan) -> str:
 
 def apply_commands(hf, plan, accept_new: bool) -> list[str]:
     """Run each host's commands with passwordless sudo; the failures, host named."""
-    from .ssh import SSHError, host_shell
+    from ..ssh import SSHError, host_shell
 
     failures = []
     for host in hf.hosts:
@@ -320,7 +303,7 @@ def apply_commands(hf, plan, accept_new: bool) -> list[str]:
 @click.option(
     "--hostfile",
     "from_hostfile",
-    type=click.Path(dir_okay=False),
+    type=HOSTFILE,
     help="Take the hosts and ssh options from this hostfile instead of --hosts.",
 )
 @click.option(
@@ -366,14 +349,14 @@ def hostfile_discover(
       mlx-cluster hostfile discover --hosts studio-1.local,studio-2.local -o rig.yaml
       mlx-cluster hostfile discover --hosts m1,m2,m3,m4 --backend jaccl --apply -o rig.yaml
     """
-    from .hostfile import parse_hostfile, split_target
-    from .topology import TopologyError, parse_node
-    from .topology import plan as make_plan
+    from ..hostfile import parse_hostfile, split_target
+    from ..topology import TopologyError, parse_node
+    from ..topology import plan as make_plan
 
     if bool(hosts) == bool(from_hostfile):
         raise click.UsageError("give the Macs with either --hosts A,B,... or --hostfile FILE")
     if from_hostfile:
-        hf = _load(from_hostfile)
+        hf = from_hostfile
     else:
         names = [h.strip() for h in hosts.split(",")]
         if any(not h for h in names) or len(set(names)) != len(names):
@@ -419,8 +402,8 @@ def hostfile_discover(
         click.echo("mlx-cluster: network commands applied on every host", err=True)
 
 
-@cli.command()
-@with_options(*HOST_OPTIONS[:3], "accept_new_host_keys")
+@click.command()
+@with_options(*HOST)
 @click.option(
     "--python-base",
     default="python3",
@@ -447,13 +430,10 @@ def install(hostfile, num_ranks, backend, accept_new_host_keys, python_base, sys
     Example:
       mlx-cluster install --hostfile rig.yaml
     """
-    from .doctor import diagnose
-    from .install import InstallError, run_install
+    from ..doctor import diagnose
+    from ..install import InstallError, run_install
 
-    try:
-        hf = resolve_hostfile(hostfile, num_ranks, backend)
-    except HostfileError as e:
-        raise click.UsageError(str(e)) from None
+    hf = resolve_hostfile(hostfile, num_ranks, backend)
     click.echo("mlx-cluster: building the wheel and installing it on every host", err=True)
     try:
         results = run_install(hf, python_base, system_site_packages, accept_new_host_keys)
@@ -471,11 +451,7 @@ def install(hostfile, num_ranks, backend, accept_new_host_keys, python_base, sys
     for report in reports:
         versions = (report.probe or {}).get("packages") or {}
         shown = ", ".join(f"{k} {v or 'missing'}" for k, v in versions.items())
-        problems = [
-            p
-            for p in report.problems
-            if "installed" in p or "versions differ" in p or "does not run" in p
-        ]
+        problems = [p.message for p in report.problems if p.kind in INSTALL_PROBLEMS]
         click.echo(f"{report.host.label}: doctor: {shown or 'no probe'}")
         for p in problems:
             failed = True

@@ -1,0 +1,374 @@
+"""Options shared by the commands, each defined once and selected by name (``with_options``).
+
+Defaults come from the dataclasses of ``cluster.spec``, so a default lives in one place.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import time
+
+import click
+
+from ..hostfile import BACKENDS, Hostfile, HostfileError, load_hostfile, local_hostfile
+from ..launcher import LaunchError, run_job
+from ..modelcheck import MODES, default_model_path
+from ..spec import JobSpec, LaunchSettings, Sampling, ServeSettings, Template, default
+
+STARTED = time.perf_counter()
+MAX_IMAGE_BYTES = 64 * 1024 * 1024
+
+
+class HostfileParam(click.ParamType):
+    """A hostfile path, loaded and validated: its error (file, host, field) is a usage error."""
+
+    name = "hostfile"
+
+    def convert(self, value, param, ctx) -> Hostfile:
+        if isinstance(value, Hostfile):
+            return value
+        try:
+            return load_hostfile(value)
+        except HostfileError as e:
+            self.fail(str(e), param, ctx)
+
+
+HOSTFILE = HostfileParam()
+
+
+def resolve_hostfile(
+    hostfile: Hostfile | None, num_ranks: int | None, backend: str | None
+) -> Hostfile:
+    """--hostfile, or -n N ranks on this machine (2 by default, as hostfiles/local.yaml)."""
+    if hostfile is not None and num_ranks is not None:
+        raise click.UsageError("give either --hostfile or -n/--num-ranks, not both")
+    hf = hostfile if hostfile is not None else local_hostfile(num_ranks or 2)
+    if backend:
+        hf.backend = backend
+    return hf
+
+
+def model_or_default(model: str | None) -> str:
+    return model or str(default_model_path())
+
+
+def run_or_exit(hf: Hostfile, spec: JobSpec, launch: LaunchSettings, stdout=None):
+    """Run the job; on failure print its report and exit with its code."""
+    try:
+        return run_job(hf, spec, launch, stdout=stdout, started=STARTED)
+    except LaunchError as e:
+        if str(e):
+            click.echo(str(e), err=True)
+        sys.exit(e.exit_code)
+
+
+def parse_split(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give layer counts like 20,12") from None
+
+
+def read_tools(ctx, param, path: str | None) -> list | None:
+    if path is None:
+        return None
+    try:
+        tools = json.loads(open(path).read())
+    except (OSError, json.JSONDecodeError) as e:
+        raise click.BadParameter(f"{path}: {e}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise click.BadParameter(f"{path}: want a JSON list of tool objects, like OpenAI's `tools`")
+    return tools
+
+
+def read_image(ctx, param, path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    data = open(path, "rb").read()
+    if not data:
+        raise click.BadParameter(f"{path} is empty")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise click.BadParameter(
+            f"{path} is {len(data) / 2**20:.0f} MiB; images up to "
+            f"{MAX_IMAGE_BYTES // 2**20} MiB are shared with the ranks (scale it down)"
+        )
+    try:  # fail before any rank starts (PIL comes with mlx-vlm)
+        from PIL import Image
+
+        Image.open(io.BytesIO(data)).verify()
+    except ImportError:
+        pass
+    except Exception as e:
+        raise click.BadParameter(
+            f"{path} is not an image file PIL can read ({type(e).__name__}); "
+            "give a PNG, JPEG or another common format"
+        ) from None
+    return data
+
+
+HOST = {
+    "hostfile": click.option(
+        "--hostfile",
+        type=HOSTFILE,
+        help="YAML (or mlx.launch JSON) hostfile; default: 2 ranks on this machine.",
+    ),
+    "num_ranks": click.option(
+        "-n",
+        "--num-ranks",
+        type=click.IntRange(min=1),
+        help="Run N ranks on this machine (no hostfile). Default 2.",
+    ),
+    "backend": click.option(
+        "--backend",
+        type=click.Choice(BACKENDS),
+        default=None,
+        help="Collective backend; default: the hostfile's, else ring.",
+    ),
+    "accept_new_host_keys": click.option(
+        "--accept-new-host-keys",
+        is_flag=True,
+        help="Trust and record the SSH host key of a host not yet in known_hosts (like "
+        "OpenSSH's accept-new); a changed key is always refused.",
+    ),
+}
+MODEL = {
+    "model": click.option(
+        "--model",
+        default=None,
+        metavar="PATH_OR_REPO",
+        help="MLX checkpoint directory or Hugging Face repo; default: the tiny "
+        "model embedded in mlx-cluster.",
+    ),
+    "mode": click.option(
+        "--mode",
+        type=click.Choice(MODES),
+        default=default(JobSpec, "mode"),
+        show_default=True,
+        help="pipeline: each rank holds a range of layers; tensor: each rank holds "
+        "a slice of every layer.",
+    ),
+    "split": click.option(
+        "--split",
+        default=default(JobSpec, "split"),
+        callback=parse_split,
+        metavar="N,N,...",
+        help="Pipeline layers per rank, rank 0 first (rank 0 holds the last layers). Default: "
+        "in proportion to the hosts' memory_gb when every host gives it, else even.",
+    ),
+    "blas": click.option(
+        "--blas",
+        type=click.Choice(["auto", "reference"]),
+        default=default(JobSpec, "blas"),
+        show_default=True,
+        help="Linux ranks: auto preloads the host's OpenBLAS when it has one (one thread per "
+        "core shared by the host's ranks); reference keeps the BLAS bundled with mlx[cpu].",
+    ),
+}
+LAUNCH = {  # LaunchSettings: how the launcher runs and watches the ranks
+    "starting_port": click.option(
+        "--starting-port",
+        type=click.IntRange(1, 65535),
+        default=default(LaunchSettings, "starting_port"),
+        help="First ring port (counts up per rank); default: free ports on this "
+        "machine, 32323 on remote hosts.",
+    ),
+    "connections_per_ip": click.option(
+        "--connections-per-ip",
+        type=click.IntRange(min=1),
+        default=default(LaunchSettings, "connections_per_ip"),
+        show_default=True,
+        help="Ring sockets per address.",
+    ),
+    "heartbeat_timeout": click.option(
+        "--heartbeat-timeout",
+        type=click.FloatRange(min=1),
+        default=default(LaunchSettings, "heartbeat_timeout"),
+        show_default=True,
+        help="Give up on a rank that sends nothing (not even its once-a-second heartbeat) "
+        "for this many seconds: stopped, hung, or its host unreachable.",
+    ),
+    "start_timeout": click.option(
+        "--start-timeout",
+        type=click.FloatRange(min=1),
+        default=default(LaunchSettings, "start_timeout"),
+        show_default=True,
+        help="Give up if the ranks have not all loaded the model after this many seconds.",
+    ),
+    "verbose": click.option(
+        "-v",
+        "--verbose",
+        is_flag=True,
+        help="Show every rank's log lines on stderr, prefixed [rank k host].",
+    ),
+}
+SAMPLING = {  # Sampling
+    "max_tokens": click.option(
+        "--max-tokens",
+        type=click.IntRange(min=1),
+        default=default(Sampling, "max_tokens"),
+        show_default=True,
+        help="Most tokens to generate.",
+    ),
+    "temp": click.option(
+        "--temp",
+        type=click.FloatRange(min=0),
+        default=default(Sampling, "temp"),
+        show_default=True,
+        help="Sampling temperature; 0 is greedy.",
+    ),
+    "top_p": click.option(
+        "--top-p",
+        type=click.FloatRange(0, 1, min_open=True),
+        default=default(Sampling, "top_p"),
+        show_default=True,
+        help="Nucleus sampling: keep the most likely tokens up to this probability mass.",
+    ),
+    "top_k": click.option(
+        "--top-k",
+        type=click.IntRange(min=0),
+        default=default(Sampling, "top_k"),
+        show_default=True,
+        help="Keep only the K most likely tokens (0: all).",
+    ),
+    "min_p": click.option(
+        "--min-p",
+        type=click.FloatRange(0, 1),
+        default=default(Sampling, "min_p"),
+        show_default=True,
+        help="Drop tokens less likely than this fraction of the most likely one.",
+    ),
+    "repetition_penalty": click.option(
+        "--repetition-penalty",
+        type=click.FloatRange(min=0, min_open=True),
+        default=default(Sampling, "repetition_penalty"),
+        help="Divide the logits of tokens generated in the last 20 by this (>1 repeats less); "
+        "the prompt is not penalised.",
+    ),
+    "presence_penalty": click.option(
+        "--presence-penalty",
+        type=float,
+        default=default(Sampling, "presence_penalty"),
+        help="Subtract this from the logits of tokens generated in the last 20 (OpenAI's "
+        "presence_penalty); the prompt is not penalised.",
+    ),
+    "frequency_penalty": click.option(
+        "--frequency-penalty",
+        type=float,
+        default=default(Sampling, "frequency_penalty"),
+        help="Subtract this times a token's count among the last 20 generated (OpenAI's "
+        "frequency_penalty); the prompt is not penalised.",
+    ),
+    "stop": click.option(
+        "--stop",
+        multiple=True,
+        default=default(Sampling, "stop"),
+        metavar="STRING",
+        callback=lambda ctx, param, value: list(value),
+        help="End the answer where this text appears (not printed); repeatable.",
+    ),
+    "seed": click.option(
+        "--seed",
+        type=int,
+        default=default(Sampling, "seed"),
+        help="Random seed, shared by every rank (default: a random one): the same seed gives "
+        "the same text.",
+    ),
+}
+TEMPLATE = {  # Template
+    "system": click.option("--system", default=default(Template, "system"), help="System prompt."),
+    "tools": click.option(
+        "--tools",
+        type=click.Path(exists=True, dir_okay=False),
+        default=default(Template, "tools"),
+        callback=read_tools,
+        help="JSON file with a list of tool schemas (OpenAI style) for the chat template.",
+    ),
+    "enable_thinking": click.option(
+        "--thinking/--no-thinking",
+        "enable_thinking",
+        default=default(Template, "enable_thinking"),
+        help="Pass enable_thinking to the chat template (default: the template's own).",
+    ),
+    "reasoning_effort": click.option(
+        "--reasoning-effort",
+        type=click.Choice(["low", "medium", "high"]),
+        default=default(Template, "reasoning_effort"),
+        help="Pass reasoning_effort to the chat template (gpt-oss and the like).",
+    ),
+}
+SERVE = {  # ServeSettings
+    "host": click.option(
+        "--host",
+        default=default(ServeSettings, "host"),
+        show_default=True,
+        help="Address rank 0 listens on (0.0.0.0 opens it to the network).",
+    ),
+    "port": click.option(
+        "--port",
+        type=click.IntRange(0, 65535),
+        default=default(ServeSettings, "port"),
+        show_default=True,
+    ),
+    "api_key": click.option(
+        "--api-key",
+        envvar="MLX_CLUSTER_API_KEY",
+        default=default(ServeSettings, "api_key"),
+        help="Require 'Authorization: Bearer KEY' (better: set MLX_CLUSTER_API_KEY, which keeps "
+        "it out of the process list).",
+    ),
+    "decode_concurrency": click.option(
+        "--decode-concurrency",
+        type=click.IntRange(min=1),
+        default=default(ServeSettings, "decode_concurrency"),
+        show_default=True,
+        help="Most requests decoded together in one batch (more wait their turn).",
+    ),
+    "prompt_concurrency": click.option(
+        "--prompt-concurrency",
+        type=click.IntRange(min=1),
+        default=default(ServeSettings, "prompt_concurrency"),
+        show_default=True,
+        help="Most prompts prefilled together.",
+    ),
+    "prompt_cache_size": click.option(
+        "--prompt-cache-size",
+        type=click.IntRange(min=0),
+        default=default(ServeSettings, "prompt_cache_size"),
+        show_default=True,
+        help="Finished answers whose KV caches every rank keeps; a request that starts with one "
+        "(a chat sent again with a new turn) prefills only the rest. 0: no cache.",
+    ),
+    "drain_timeout": click.option(
+        "--drain-timeout",
+        type=click.FloatRange(min=0),
+        default=default(ServeSettings, "drain_timeout"),
+        show_default=True,
+        help="On Ctrl-C or SIGTERM, the longest wait (s) for answers under way before they are "
+        "cut.",
+    ),
+}
+OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE}
+
+
+def with_options(*names: str):
+    """Decorate a command with the named shared options, in this order."""
+
+    def apply(f):
+        for name in reversed(names):
+            f = OPTIONS[name](f)
+        return f
+
+    return apply
+
+
+def job_options(f):
+    """What every command that runs a job takes: hosts, model, how to launch."""
+    return with_options(*HOST, *MODEL, *LAUNCH)(f)
+
+
+def sampling_options(f):
+    return with_options(*SAMPLING, *TEMPLATE)(f)

@@ -1,0 +1,191 @@
+"""``launch``, ``chat`` and ``serve``: one job on the ranks, rank 0's text or API to the user."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import click
+
+from ..jobstate import JobResult
+from ..spec import (
+    JobSpec,
+    LaunchSettings,
+    Request,
+    Sampling,
+    ServeSettings,
+    Template,
+    default,
+    pick,
+)
+from .options import (
+    job_options,
+    model_or_default,
+    read_image,
+    resolve_hostfile,
+    run_or_exit,
+    sampling_options,
+    with_options,
+)
+
+
+def job_spec(command: str, values: dict, **fields) -> JobSpec:
+    """The JobSpec of a command, from its keyword arguments (each dataclass takes the ones
+    named like its fields)."""
+    request = Request(
+        prompt=values.pop("prompt", ""),
+        sampling=pick(Sampling, values),
+        template=pick(Template, values),
+        image=values.pop("image", None),
+    )
+    spec = JobSpec(
+        model=model_or_default(values.pop("model")),
+        command=command,
+        request=request,
+        serve=pick(ServeSettings, values),
+        mode=values.pop("mode"),
+        split=values.pop("split"),
+        blas=values.pop("blas"),
+        **fields,
+    )
+    if values:  # an option that no dataclass field takes: a bug, not the user's error
+        raise TypeError(f"options without a JobSpec field: {', '.join(values)}")
+    return spec
+
+
+def hosts_and_launch(values: dict):
+    """The hostfile and LaunchSettings from a command's keyword arguments."""
+    hf = resolve_hostfile(values.pop("hostfile"), values.pop("num_ranks"), values.pop("backend"))
+    return hf, pick(LaunchSettings, values)
+
+
+@click.command()
+@click.argument("prompt", required=False)
+@job_options
+@sampling_options
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object at the end instead of streaming: text, finish_reason, usage, "
+    "timings (llama-server's fields) and each rank's peak memory.",
+)
+@click.option(
+    "--image",
+    type=click.Path(exists=True, dir_okay=False, readable=True),
+    callback=read_image,
+    help="Image file for a vision-language model (mlx-vlm); its bytes reach every rank.",
+)
+@click.option(
+    "--logits",
+    is_flag=True,
+    help="Instead of generating, print the next-token logits after the prompt as one JSON "
+    "line (text models): to compare a sharded run with a single-process one.",
+)
+def launch(prompt, logits, as_json, **values):
+    """Generate a reply to PROMPT on every rank in lockstep; rank 0's text goes to stdout.
+
+    PROMPT '-' or absent reads the prompt from stdin. The prompt goes through the model's chat
+    template when it has one (as mlx_lm.generate does). stdout carries exactly the generated
+    text; progress and stats go to stderr.
+
+    \b
+    Examples:
+      mlx-cluster launch "Tell me about lists"
+      mlx-cluster launch -n 3 --mode tensor --model ./my-model "Hi"
+      mlx-cluster launch --model ./my-vlm --image cat.png "What is in the picture?"
+      mlx-cluster launch --hostfile hostfiles/thunderbolt-ring.yaml --model mlx-community/... -
+    """
+    if as_json and logits:
+        raise click.UsageError("--logits already prints JSON; drop --json")
+    hf, settings = hosts_and_launch(values)
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty():
+            click.echo("mlx-cluster: reading the prompt from stdin (end with Ctrl-D)", err=True)
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise click.UsageError("the prompt is empty")
+    spec = job_spec("logits" if logits else "generate", {**values, "prompt": prompt})
+    text = io.BytesIO() if as_json else None
+    result = run_or_exit(hf, spec, settings, stdout=text)
+    if as_json:
+        click.echo(json.dumps(answer_json(text.getvalue().decode("utf-8", "replace"), result)))
+
+
+def answer_json(text: str, result: JobResult) -> dict:
+    """--json: the answer and its stats (llama-server's usage and timings fields)."""
+    stats = result.stats
+    return {
+        "text": text,
+        "finish_reason": stats and stats.finish_reason,
+        "usage": stats and stats.usage,
+        "timings": stats and stats.timings,
+        "time_to_first_token_s": result.first_token_s,
+        "peak_memory_gb": result.peak_memory_gb,
+    }
+
+
+@click.command()
+@job_options
+@sampling_options
+@click.option(
+    "--prompt-cache-gb",
+    type=click.FloatRange(min=0),
+    default=default(JobSpec, "prompt_cache_gb"),
+    show_default=True,
+    help="Most KV cache each rank keeps between turns (over it, the next turn starts afresh).",
+)
+def chat(prompt_cache_gb, **values):
+    """Talk to the model turn by turn: a line on stdin is a turn, rank 0's answer goes to stdout.
+
+    Every rank keeps the KV cache of its layers between turns, so a turn prefills only its own
+    new tokens (the stats line on stderr says how many were reused). /reset forgets the
+    conversation; /exit or Ctrl-D ends the session; Ctrl-C ends the current answer and keeps
+    the session (twice within 2 s quits). Works with piped stdin too.
+
+    \b
+    Examples:
+      mlx-cluster chat --model ./my-model
+      printf 'Hi\\nTell me more\\n' | mlx-cluster chat --hostfile hostfiles/thunderbolt-ring.yaml
+    """
+    hf, settings = hosts_and_launch(values)
+    spec = job_spec("chat", values, prompt_cache_gb=prompt_cache_gb)
+    if sys.stdin.isatty():
+        click.echo(
+            "mlx-cluster: chat; /reset forgets, /exit or Ctrl-D ends, Ctrl-C stops an answer",
+            err=True,
+        )
+    run_or_exit(hf, spec, settings)
+
+
+@click.command()
+@job_options
+@with_options(
+    "host",
+    "port",
+    "api_key",
+    "decode_concurrency",
+    "prompt_concurrency",
+    "prompt_cache_size",
+    "drain_timeout",
+)
+def serve(**values):
+    """Serve the model with an OpenAI-compatible API on rank 0 until Ctrl-C.
+
+    Endpoints: GET /v1/models, GET /health, POST /v1/chat/completions and /v1/completions
+    (streaming with SSE, or not). Concurrent requests are decoded together as one batch, in
+    lockstep on every rank (continuous batching: a request joins or leaves between steps); a
+    request with a seed, or a model whose caches cannot be batched, is decoded alone. A client
+    that disconnects mid-stream cancels its answer on every rank.
+
+    Ctrl-C or SIGTERM drains: new requests get 503, answers under way finish (cut after
+    --drain-timeout), then every rank exits (exit 0). A second Ctrl-C stops at once (exit 130).
+
+    \b
+    Examples:
+      mlx-cluster serve --model ./my-model --port 8080
+      OPENAI_BASE_URL=http://127.0.0.1:8080/v1 OPENAI_API_KEY=none python my_client.py
+    """
+    hf, settings = hosts_and_launch(values)
+    run_or_exit(hf, job_spec("serve", values), settings)

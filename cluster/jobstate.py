@@ -1,0 +1,255 @@
+"""The launcher's bookkeeping of one job, as plain functions of (state, event).
+
+No processes, no I/O: ``cluster.launcher`` feeds what the ranks say into ``on_event`` /
+``on_exit`` / ``overdue`` and prints what they return; tests drive them directly. The failure
+report (which rank failed first, on which host, doing what, and what to do) is built here too.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .protocol import (
+    AwaitingInput,
+    BenchComm,
+    BenchRun,
+    Error,
+    Event,
+    FirstToken,
+    Memory,
+    Notice,
+    Phase,
+    Ready,
+    Stats,
+)
+
+EXIT_PEER_FAILED = 3  # a rank that stopped because rank 0 failed (see node.__main__)
+TAIL_LINES = 15
+
+
+@dataclass
+class RankState:
+    rank: int
+    host: str
+    phase: str = "starting"
+    host_is_local: bool = True
+    unresponsive: bool = False  # given up on by the launcher (heartbeat or start timeout)
+    error_t: float | None = None  # when the rank reported its own error (its own clock)
+    stopped_by_us: bool = False  # still running when the launcher began the teardown
+    last_seen: float = 0.0
+    exit_code: int | None = None
+    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    error: str | None = None
+    bad_model: bool = False  # its error says the model cannot be served as asked
+    peak_memory_gb: float | None = None  # reported by the rank when its work is done
+    load_s: float | None = None  # how long the rank took to load its shard
+
+
+@dataclass
+class JobResult:
+    exit_code: int
+    stats: Stats | None = None
+    first_token_s: float | None = None
+    ready_s: float | None = None
+    peak_memory_gb: list[float | None] = field(default_factory=list)  # per rank, rank 0 first
+    load_s: list[float | None] = field(default_factory=list)  # per rank
+    bench_runs: list[BenchRun] = field(default_factory=list)  # rank 0's
+    bench_comm: list[tuple[int, BenchComm]] = field(default_factory=list)  # (rank, counts)
+
+
+@dataclass
+class JobState:
+    ranks: list[RankState]
+    command: str = "generate"
+    result: JobResult = field(default_factory=lambda: JobResult(exit_code=0))
+    ready: int = 0  # ranks that reported Ready
+
+    @property
+    def all_ready(self) -> bool:
+        return self.ready == len(self.ranks)
+
+
+@dataclass
+class Say:
+    """A line for the user's stderr (``prefix``: mlx-cluster's own, else as it is)."""
+
+    text: str
+    prefix: bool = True
+
+
+def on_event(job: JobState, rank: int, event: Event, elapsed: float) -> list[Say]:
+    """Take one event of ``rank``; ``elapsed``: seconds since the job started. Returns what
+    to tell the user."""
+    state = job.ranks[rank]
+    said: list[Say] = []
+    if isinstance(event, Phase):
+        state.phase = event.phase
+    elif isinstance(event, Ready):
+        state.phase = "ready"
+        state.load_s = event.load_s
+        job.ready += 1
+        if job.all_ready:
+            job.result.ready_s = elapsed
+            said.append(Say(f"all ranks ready after {elapsed:.1f} s"))
+    elif isinstance(event, FirstToken):
+        if job.result.first_token_s is None:
+            job.result.first_token_s = elapsed
+    elif isinstance(event, Stats):
+        job.result.stats = event
+        ttft = job.result.first_token_s if job.command == "generate" else None
+        said.append(Say(stats_line(event, ttft)))
+    elif isinstance(event, BenchRun):
+        job.result.bench_runs.append(event)
+        said.append(Say(bench_run_line(event)))
+    elif isinstance(event, BenchComm):
+        job.result.bench_comm.append((rank, event))
+    elif isinstance(event, Memory):
+        state.peak_memory_gb = event.peak_memory_gb
+    elif isinstance(event, Notice):
+        said.append(Say(event.message))
+    elif isinstance(event, Error):
+        on_error(state, event)
+    elif isinstance(event, AwaitingInput):
+        pass  # the launcher shows a prompt when its stdin is a terminal
+    return said
+
+
+def on_error(state: RankState, event: Error) -> None:
+    state.error = event.message
+    if not event.peer:  # "rank 0 failed" is an effect, never the cause
+        state.error_t = event.t
+    state.bad_model = event.cause == "model"
+
+
+def on_text(job: JobState, rank: int, text: bytes, elapsed: float) -> bool:
+    """Stdout of ``rank``: True when it goes to the user (rank 0's), else kept in the tail."""
+    if rank != 0:
+        job.ranks[rank].tail.extend(text.decode("utf-8", "replace").splitlines())
+        return False
+    if job.result.first_token_s is None:
+        job.result.first_token_s = elapsed
+    return True
+
+
+def overdue(
+    job: JobState, now: float, elapsed: float, heartbeat_timeout: float, start_timeout: float
+) -> RankState | None:
+    """The rank to give up on: silent past the heartbeat timeout, or not ready by the start
+    deadline; None while all is well. Marks it unresponsive with the reason."""
+    silent = sorted(
+        (s for s in job.ranks if s.exit_code is None and now - s.last_seen > heartbeat_timeout),
+        key=lambda s: s.last_seen,
+    )
+    if silent:
+        # The rank silent longest most likely stopped first; the others may only be
+        # waiting on it, and are named too so nothing is hidden.
+        state = silent[0]
+        state.unresponsive = True
+        state.error = (
+            f"sent nothing for {now - state.last_seen:.1f} s (heartbeat timeout "
+            f"{heartbeat_timeout:g} s): the process is stopped or hung, or its host is "
+            "unreachable"
+        )
+        if silent[1:]:
+            others = ", ".join(
+                f"rank {s.rank} on {s.host} ({now - s.last_seen:.1f} s)" for s in silent[1:]
+            )
+            state.error += f"; also silent: {others}"
+        return state
+    if not job.all_ready and elapsed > start_timeout:
+        late = next(s for s in job.ranks if s.phase not in ("ready", "generating"))
+        late.unresponsive = True
+        late.error = f"not ready after the start timeout of {start_timeout:g} s (--start-timeout)"
+        return late
+    return None
+
+
+def stats_line(stats: Stats, since_start: float | None) -> str:
+    """One answer's numbers: prompt tokens prefilled (and reused from the cache), generation."""
+    t = stats.timings
+    if since_start is not None:
+        first = f"first token {since_start:.2f} s after start"
+    else:
+        first = f"first token after {stats.time_to_first_token_s or 0:.2f} s"
+    return (
+        f"prompt {t['prompt_n']} tokens at {t['prompt_per_second']:.1f} tok/s, cache "
+        f"{t['cache_n']}, generated {t['predicted_n']} tokens at "
+        f"{t['predicted_per_second']:.1f} tok/s ({stats.finish_reason}), {first}"
+    )
+
+
+def bench_run_line(run: BenchRun) -> str:
+    what = "warm-up run" if run.warmup else "run"
+    return (
+        f"  {what} {run.run + 1}: first token after {run.ttft_s:.3f} s, prefill "
+        f"{run.prefill_tps:.1f} tok/s, generation {run.generation_tps or 0:.1f} tok/s"
+    )
+
+
+def ready_line(event: Ready) -> str:
+    where = f"layers {event.layers[0]}-{event.layers[1] - 1}" if event.layers else "all layers"
+    return f"loaded in {event.load_s:.2f} s: {where}; weight files: {', '.join(event.files)}"
+
+
+PHASE_WORDS = {
+    "starting": "while starting",
+    "init": "while joining the distributed group",
+    "loading": "while loading the model",
+    "ready": "after loading, before generating",
+    "generating": "while generating",
+}
+HINTS = {
+    "init": "check that the ranks can reach each other on the hostfile's ips and ports "
+    "(firewall, cable, --starting-port); run with --verbose to see MLX's ring log",
+    "loading": "check the model files on {host}: a truncated or missing file means an "
+    "incomplete copy or download; copy the model again",
+}
+
+
+def culprit(failed: RankState, states: list[RankState]) -> RankState:
+    """The rank that failed first. Its peers fail a moment later in a collective ("connection
+    to a peer was lost", reported as peer errors) and their exits can even arrive first. So:
+    the earliest error a rank reported as its own; else a rank that died without a word (a
+    signal, a lost connection), preferring one the launcher did not stop itself."""
+    if failed.unresponsive:
+        return failed
+    reported = [s for s in states if s.error_t is not None]
+    if reported:
+        return min(reported, key=lambda s: s.error_t)
+    silent = [s for s in states if s.exit_code not in (None, 0) and s.error is None]
+    silent.sort(key=lambda s: s.stopped_by_us)
+    return silent[0] if silent else failed
+
+
+def failure_report(failed: RankState, states: list[RankState]) -> str:
+    # A rank that stopped because rank 0 failed points at rank 0: report the cause.
+    if failed.exit_code == EXIT_PEER_FAILED and states[0].exit_code not in (None, 0):
+        failed = states[0]
+    code = failed.exit_code
+    if failed.unresponsive:
+        how = "stopped responding"
+    elif failed.error_t is not None:
+        # It said why. How it then exited says nothing more: a peer's failure can start the
+        # teardown while this rank is still shutting down, and our SIGTERM ends it.
+        how = "failed"
+    elif code is not None and code < 0:
+        how = f"was killed by signal {-code}"
+    elif code == 255 and not failed.host_is_local:
+        how = "was killed by a signal or lost its SSH connection"
+    else:
+        how = f"exited with code {code}"
+    lines = [
+        f"error: rank {failed.rank} of {len(states)} on {failed.host} {how} "
+        f"{PHASE_WORDS.get(failed.phase, failed.phase)}"
+    ]
+    if failed.error:
+        lines.append(f"  reason: {failed.error}")
+    if failed.tail:
+        lines.append(f"  last lines of rank {failed.rank} ({failed.host}):")
+        lines.extend(f"    {line}" for line in failed.tail)
+    hint = None if failed.bad_model else HINTS.get(failed.phase)  # the reason says what to do
+    if hint:
+        lines.append(f"  what to do: {hint.format(host=failed.host)}")
+    lines.append("  every other rank was stopped")
+    return "\n".join(lines)

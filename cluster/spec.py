@@ -1,0 +1,180 @@
+"""The job spec: what the launcher asks of every rank, as typed dataclasses.
+
+``cluster`` builds a ``JobSpec`` from the command line, ``node`` reads it back from the JSON file
+the launcher writes on each host. Both sides import this module (it needs no mlx), every default
+is defined here once, and ``to_dict``/``from_dict`` are the one place dataclasses become JSON and
+back. Adding an option: a field here, its click option, and the code that uses it.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+COMMANDS = ("generate", "logits", "chat", "serve", "bench")
+
+
+@dataclass
+class Sampling:
+    """How tokens are chosen; identical on every rank (rank 0 draws a missing seed)."""
+
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: list[str] = field(default_factory=list)  # rank 0 decides, every rank agrees
+    seed: int | None = None
+
+
+@dataclass
+class Template:
+    """Switches for the model's chat template."""
+
+    system: str | None = None
+    tools: list | None = None  # OpenAI-style tool schemas
+    enable_thinking: bool | None = None
+    reasoning_effort: str | None = None
+
+
+@dataclass
+class Request:
+    """The work of a one-shot job (launch) or the settings of every turn (chat); rank 0 only."""
+
+    prompt: str = ""
+    sampling: Sampling = field(default_factory=Sampling)
+    template: Template = field(default_factory=Template)
+    image: bytes | None = None  # for a vision-language model
+
+
+@dataclass
+class ServeSettings:
+    """``serve``: where rank 0 listens and how it batches."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None  # travels only in rank 0's spec file (mode 0600), never argv
+    drain_timeout: float = 30.0  # on SIGINT/SIGTERM, the longest wait for answers under way
+    decode_concurrency: int = 32  # most requests decoded together
+    prompt_concurrency: int = 8  # most prompts prefilled together
+    prompt_cache_size: int = 10  # finished answers whose caches every rank keeps (0: none)
+
+
+@dataclass
+class BenchSettings:
+    """``bench``: one configuration's runs (every rank)."""
+
+    prompt_tokens: int = 512
+    gen_tokens: int = 128
+    warmup: int = 1
+    repeat: int = 3
+
+
+@dataclass
+class JobSpec:
+    """One rank's job. ``request`` and ``serve`` are filled on rank 0 only (``for_rank``)."""
+
+    model: str
+    command: str = "generate"  # one of COMMANDS
+    mode: str = "pipeline"
+    world_size: int = 1
+    split: list[int] | None = None  # pipeline layers per rank (rank 0 holds the last layers)
+    split_weights: list[float] | None = None  # per-rank memory, for a weighted split
+    prompt_cache_gb: float = 4.0  # chat: the most KV cache each rank keeps between turns
+    request: Request = field(default_factory=Request)
+    serve: ServeSettings = field(default_factory=ServeSettings)
+    bench: BenchSettings = field(default_factory=BenchSettings)
+    blas: str = "auto"  # Linux ranks: "auto" preloads an optimized BLAS when found, "reference"
+    ranks_on_host: int = 1  # ranks sharing this rank's host (BLAS threads = cores / this)
+
+    def to_json(self) -> str:
+        return json.dumps(to_dict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        return from_dict(cls, json.loads(text))
+
+    def for_rank(self, rank: int, **changes: Any) -> JobSpec:
+        """This job as one rank sees it: the request and serve settings go only to rank 0."""
+        if rank != 0:
+            changes.setdefault("request", Request())
+            changes.setdefault("serve", ServeSettings())
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class LaunchSettings:
+    """How the launcher runs and watches the ranks (never sent to them)."""
+
+    starting_port: int | None = None
+    connections_per_ip: int = 1
+    heartbeat_timeout: float = 30.0
+    start_timeout: float = 1800.0
+    accept_new_host_keys: bool = False
+    verbose: bool = False
+
+
+def default(cls: type, name: str) -> Any:
+    """A field's default, for a click option that must show the same one."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def pick(cls: type[T], values: dict[str, Any]) -> T:
+    """``cls`` from the entries of ``values`` named like its fields, popped from ``values``
+    (a command's keyword arguments: what is left belongs elsewhere)."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name in values]
+    return cls(**{n: values.pop(n) for n in names})
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclasses to plain JSON values; bytes become base64 text (the spec is a JSON file)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (bytes, bytearray)):
+        return base64.b64encode(obj).decode()
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """The inverse of ``to_dict``; fields missing from ``data`` take their defaults, unknown
+    keys are an error (a launcher and a rank of different versions)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)}")
+    return cls(**{name: _value(hints[name], value) for name, value in data.items()})
+
+
+def _value(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    options = typing.get_args(hint) if _is_union(hint) else (hint,)
+    for option in options:
+        if dataclasses.is_dataclass(option):
+            return from_dict(option, value)
+        if option is bytes:
+            return base64.b64decode(value)
+    return value
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
