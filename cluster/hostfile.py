@@ -342,7 +342,15 @@ def mlx_launch_json(hostfile: Hostfile) -> tuple[dict[str, Any], list[str]]:
         extra = [key for key in ("memory_gb", "python", "cwd", "model_dir") if getattr(h, key)]
         if extra:
             dropped.append(f"{h.label}: {', '.join(extra)}")
-        ssh = "127.0.0.1" if h.is_local else h.target  # the one name mlx.launch runs here
+        if h.is_local:
+            ssh = "127.0.0.1"  # the one name mlx.launch runs here without SSH
+        else:  # mlx.launch hands this to ssh as a host name: no room for a port
+            ssh = f"{h.user}@{h.hostname}" if h.user else h.hostname
+        if h.port is not None and not h.is_local:
+            dropped.append(
+                f"{h.label}: port {h.port} (mlx.launch runs `ssh {ssh}`; put it in "
+                f"~/.ssh/config: Host {h.hostname} / Port {h.port})"
+            )
         for _ in range(h.slots):  # mlx.launch: one entry per rank
             hosts.append({"ssh": ssh, "ips": list(h.ips), "rdma": list(h.rdma)})
     data = {

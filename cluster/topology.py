@@ -239,10 +239,37 @@ def plan(nodes: list[Node], backend: str | None = None, pool: str = DEFAULT_SUBN
             "Thunderbolt 5), or use --backend ring"
         )
     order = list(range(n)) if backend == "jaccl" else ring
+    links, unused = even_cables(nodes, links, order, backend)
+    notes += unused
     assign_addresses(links, pool)
     hosts = [_host_entry(nodes, links, order, rank, backend) for rank in range(n)]
     commands = {x.name: _commands(i, links) for i, x in enumerate(nodes)}
     return Plan(backend, order, hosts, commands, notes)
+
+
+def even_cables(
+    nodes: list[Node], links: list[Link], order: list[int], backend: str
+) -> tuple[list[Link], list[str]]:
+    """The cables the job uses, and a note for each one left unused. MLX's ring needs as many
+    connections to the left of every rank as to its right, and JACCL the same count between
+    every pair it joins: keep the smallest cable count along the ring (or over every pair of
+    a mesh), as ``mlx.distributed_config`` does."""
+    n = len(order)
+    if backend == "jaccl":
+        pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    else:
+        pairs = sorted({tuple(sorted((order[k], order[(k + 1) % n]))) for k in range(n)})
+    per_pair = {p: sorted(cables(links, *p), key=lambda c: c.a_iface) for p in pairs}
+    keep = min(len(c) for c in per_pair.values())
+    kept, notes = [], []
+    for (i, j), found in per_pair.items():
+        kept += found[:keep]
+        notes += [
+            f"cable {nodes[i].name}:{c.a_iface} - {nodes[j].name}:{c.b_iface} left unused: "
+            f"every pair of neighbours must have the same number of cables ({keep} here)"
+            for c in found[keep:]
+        ]
+    return kept, notes
 
 
 def _no_ring(nodes: list[Node], links: list[Link]) -> str:

@@ -419,7 +419,7 @@ class Scheduler:
                 self.take(server.jobs.get_nowait())
             except queue.Empty:
                 break
-        self.cut_drain(live)
+        self.cut_drain()
         order: dict[str, Any] = {}
         if self.removals:
             order["remove"], self.removals = self.removals, []
@@ -438,7 +438,7 @@ class Scheduler:
             order["insert"] = insert
         return order or None
 
-    def cut_drain(self, live: int) -> None:
+    def cut_drain(self) -> None:
         """Draining past its deadline: what is still being decoded is cancelled."""
         if not self.server.draining.is_set():
             return

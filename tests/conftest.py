@@ -44,16 +44,21 @@ def _cmdline(pid: int) -> str:
         return out.stdout.decode()
 
 
-def rank_pids() -> list[int]:
-    """The `python -m node run` processes that this test session started (its descendants,
-    orphans included); never a user's own job running beside the tests."""
-    tree, found, todo = _children(), [], [os.getpid()]
+def descendant_ranks(root: int, tree: dict[int, list[int]], cmdline) -> list[int]:
+    """The `python -m node run` processes below ``root`` in ``tree`` (parent -> children)."""
+    found, todo = [], [root]
     while todo:
         for child in tree.get(todo.pop(), []):
             todo.append(child)
-            if " -m node run " in f" {_cmdline(child)} ":
+            if " -m node run " in f" {cmdline(child)} ":
                 found.append(child)
     return found
+
+
+def rank_pids() -> list[int]:
+    """The `python -m node run` processes that this test session started (its descendants,
+    orphans included); never a user's own job running beside the tests."""
+    return descendant_ranks(os.getpid(), _children(), _cmdline)
 
 
 @pytest.fixture(autouse=True)

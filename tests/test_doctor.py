@@ -40,6 +40,10 @@ def test_all_ok_on_loopback(sshd, models, tmp_path):
     local, remote = report["hosts"]
     assert remote["ssh"] == "ok" and local["ssh"] == "local"
     assert local["versions"] == remote["versions"]
+    from cluster.blas import find_openblas
+
+    for host in (local, remote):  # the BLAS the ranks will use there, measured as they run it
+        assert host["blas"]["library"] == find_openblas() and host["blas"]["gflops"] > 0
     assert set(local["versions"]) == {"mlx", "mlx-lm", "mlx-cluster"}
     assert remote["memory_bytes"] == 16_000_000_000
     assert (
@@ -87,3 +91,62 @@ def test_busy_port_and_missing_rdma(tmp_path):
     p = run_cli("doctor", "--hostfile", jaccl)
     assert p.returncode == 1
     assert "JACCL needs macOS 26.2+ with Thunderbolt 5; this host runs Linux" in p.stdout
+
+
+def test_model_share_follows_launchs_split(tmp_path):
+    """doctor's share per rank is split as launch splits: --split, else by memory_gb."""
+    from cluster.doctor import model_shares
+    from cluster.hostfile import parse_hostfile
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 8,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "vocab_size": 100,
+                "intermediate_size": 128,
+            }
+        )
+    )
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)  # 8 layers + 2: 100 bytes each
+    even = parse_hostfile({"hosts": ["a", "b"]})
+    assert model_shares(str(tmp_path), "pipeline", even) == {0: 600, 1: 600}
+    assert model_shares(str(tmp_path), "pipeline", even, [6, 2]) == {0: 800, 1: 400}
+    weighted = parse_hostfile(
+        {"hosts": [{"ssh": "a", "memory_gb": 48}, {"ssh": "b", "memory_gb": 16}]}
+    )
+    assert model_shares(str(tmp_path), "pipeline", weighted) == {0: 800, 1: 400}
+
+
+def test_connections_per_ip_counts_in_the_port_check():
+    """With 2 connections per address rank 1 binds the 3rd and 4th ports: a taken 4th one is
+    named only then."""
+    import socket
+
+    from conftest import invoke
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        start = port - 3
+        p = invoke("doctor", "--starting-port", start)
+        assert p.returncode == 0, p.stdout
+        p = invoke("doctor", "--starting-port", start, "--connections-per-ip", 2)
+    assert p.returncode == 1
+    assert f"ring port 127.0.0.1:{port} (Address already in use) is in use" in p.stdout
+
+
+def test_a_linux_host_on_the_reference_blas_gets_a_note_not_a_failure():
+    from cluster.doctor import HostReport, _check_blas, blas_cell
+    from cluster.hostfile import parse_hostfile
+
+    report = HostReport(parse_hostfile({"hosts": ["a"]}).hosts[0], [0])
+    report.probe = {"blas": {"library": None, "gflops": 4.4}}
+    _check_blas(report)
+    assert report.ok and "libopenblas0-pthread" in report.notes[0]
+    assert blas_cell(report.probe["blas"]) == "reference 4 GFLOP/s"
+    assert blas_cell({"library": "/x.so", "gflops": 117.2}) == "openblas 117 GFLOP/s"
+    assert blas_cell(None) == "-"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import invoke, run_cli
 
 from cluster.backends import rank_envs
 from cluster.hostfile import load_hostfile
@@ -23,7 +23,7 @@ REPO = Path(__file__).parent.parent
 
 def discover(case: str, *args):
     hosts = ",".join(sorted(p.name for p in (FIXTURES / case).iterdir() if p.is_dir()))
-    return run_cli("hostfile", "discover", "--hosts", hosts, "--from", FIXTURES / case, *args)
+    return invoke("hostfile", "discover", "--hosts", hosts, "--from", FIXTURES / case, *args)
 
 
 def commands_of(text: str) -> dict[str, list[str]]:
@@ -40,7 +40,6 @@ def addresses(commands: list[str]) -> dict[str, str]:
     )
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize(
     "case, backend, order",
     [
@@ -49,6 +48,7 @@ def addresses(commands: list[str]) -> dict[str, str]:
         ("four-mesh", "jaccl", ["a", "b", "c", "d"]),
         ("missing-cable", "jaccl-ring", ["a", "b", "c", "d"]),
         ("dock", "ring", ["a", "b"]),
+        ("double-cable", "ring", ["a", "b", "c", "d"]),
     ],
 )
 def test_discover_from_each_fixture(case, backend, order, tmp_path):
@@ -98,9 +98,12 @@ def test_discover_from_each_fixture(case, backend, order, tmp_path):
                 assert (matrix[i][j] is not None) == expected, (i, j, matrix)
     if case == "dock":
         assert "a: not a Mac, ignored: TS4" in p.stderr
+    if case == "double-cable":  # one cable per pair along the ring, the second a-b one unused
+        assert "cable a:en3 - b:en3 left unused" in p.stderr
+        assert all(len(h.ips) == 1 for h in hf.hosts)
+        assert "en3" not in " ".join(commands["a"]) and "en3" not in " ".join(commands["b"])
 
 
-@pytest.mark.e2e
 def test_missing_cable_named_and_bad_fixtures_explained():
     p = discover("missing-cable", "--backend", "jaccl")
     assert p.returncode == 1 and "missing: a - c" in p.stderr and "jaccl-ring" in p.stderr
@@ -114,9 +117,9 @@ def test_missing_cable_named_and_bad_fixtures_explained():
     p = discover("no-interface")
     assert p.returncode == 1
     assert "a: Thunderbolt port 1 has no network interface" in p.stderr
-    p = run_cli("hostfile", "discover", "--hosts", "a,a", "--from", FIXTURES / "two-ring")
+    p = invoke("hostfile", "discover", "--hosts", "a,a", "--from", FIXTURES / "two-ring")
     assert p.returncode == 2 and "repeated" in p.stderr
-    p = run_cli("hostfile", "discover", "--hosts", "a,z", "--from", FIXTURES / "two-ring")
+    p = invoke("hostfile", "discover", "--hosts", "a,z", "--from", FIXTURES / "two-ring")
     assert p.returncode == 1 and "no saved outputs for host z" in p.stderr
 
 
@@ -133,9 +136,8 @@ def test_discover_over_ssh_names_a_host_that_is_not_a_mac(sshd, tmp_path):
     assert "macOS hosts" in p.stderr
 
 
-@pytest.mark.e2e
 def test_check_names_the_problem_and_summarises(tmp_path):
-    p = run_cli("hostfile", "check", REPO / "hostfiles" / "jaccl-mesh.yaml")
+    p = invoke("hostfile", "check", REPO / "hostfiles" / "jaccl-mesh.yaml")
     assert p.returncode == 0, p.stderr
     assert "ok: 3 hosts, 3 ranks, jaccl backend" in p.stdout
     assert (
@@ -143,13 +145,13 @@ def test_check_names_the_problem_and_summarises(tmp_path):
     )
     bad = tmp_path / "bad.yaml"
     bad.write_text("backend: jaccl\nhosts:\n  - ssh: a\n    ips: [1.2.3.4]\n  - ssh: b\n")
-    p = run_cli("hostfile", "check", bad)
+    p = invoke("hostfile", "check", bad)
     assert (
         p.returncode == 2
         and "field 'rdma' is required by jaccl on host 0 (a), host 1 (b)" in p.stderr
     )
     bad.write_text("hosts:\n  - ssh: a\n    slot: 2\n")
-    p = run_cli("hostfile", "check", bad)
+    p = invoke("hostfile", "check", bad)
     assert p.returncode == 2 and "host 0 (a): unknown field(s) slot" in p.stderr
 
 
@@ -229,12 +231,11 @@ def test_apply_runs_each_hosts_commands_and_names_a_host_that_fails(tmp_path):
     ]
 
 
-@pytest.mark.e2e
 def test_discover_from_a_hostfile_keeps_how_hosts_are_reached(tmp_path):
     given = tmp_path / "given.yaml"
     given.write_text("ssh: {user: me, port: 2222}\nhosts:\n  - ssh: a\n  - ssh: b\n")
     out = tmp_path / "rig.yaml"
-    p = run_cli(
+    p = invoke(
         "hostfile", "discover", "--hostfile", given, "--from", FIXTURES / "two-ring", "-o", out
     )
     assert p.returncode == 0, p.stderr
@@ -243,3 +244,13 @@ def test_discover_from_a_hostfile_keeps_how_hosts_are_reached(tmp_path):
         ["10.200.0.1"],
         ["10.200.0.2"],
     ]
+
+
+def test_convert_moves_a_port_out_of_the_ssh_name(tmp_path):
+    """mlx.launch runs `ssh NAME`: a port cannot ride in it; the user is told where it goes."""
+    src = tmp_path / "rig.yaml"
+    src.write_text("hosts:\n  - {ssh: 'me@studio-1.local:2222', ips: [10.0.0.1]}\n  - studio-2\n")
+    p = invoke("hostfile", "convert", src)
+    assert p.returncode == 0, p.stderr
+    assert [h["ssh"] for h in json.loads(p.stdout)["hosts"]] == ["me@studio-1.local", "studio-2"]
+    assert "port 2222" in p.stderr and "Host studio-1.local / Port 2222" in p.stderr

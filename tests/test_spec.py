@@ -250,3 +250,17 @@ def test_blas_env_on_linux_only_when_asked_and_found():
 
 def test_a_sampling_dict_is_every_field_once():
     assert set(to_dict(Sampling())) == {f.name for f in dataclasses.fields(Sampling)}
+
+
+def test_the_cleanup_fixture_sees_only_the_sessions_own_ranks():
+    """A user's own job beside the tests (not below this session) is never ours to kill."""
+    from conftest import descendant_ranks
+
+    tree = {1: [10, 50], 10: [11, 12], 11: [13], 50: [51]}
+    cmd = {
+        11: "mlx-cluster launch hi",
+        12: "python -m node run --spec a.json",
+        13: "/v/python -m node run --spec b.json",
+        51: "python -m node run --spec users-own.json",  # the user's job, under another parent
+    }
+    assert sorted(descendant_ranks(10, tree, lambda p: cmd.get(p, ""))) == [12, 13]
