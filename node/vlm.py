@@ -65,7 +65,7 @@ def generate_vlm(
     from mlx_vlm.generate.common import generation_stream
 
     from .generate import AnswerText, stream
-    from .sampling import sampling_of
+    from .sampling import sampler, sampling_of
 
     s = sampling_of(request)
     mx.random.seed(s.seed)
@@ -76,10 +76,7 @@ def generate_vlm(
         request["vlm_prompt"],
         image=images,
         max_tokens=s.max_tokens,
-        temperature=s.temp,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
+        sampler=sampler(request),  # the text models' own, so every sampling option reaches both
         repetition_penalty=s.repetition_penalty,
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
