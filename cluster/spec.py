@@ -29,6 +29,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    min_tokens_to_keep: int = 1  # the fewest tokens min-p may leave
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -40,7 +40,13 @@ def sampling_of(request: dict[str, Any]) -> Sampling:
 
 def sampler(request: dict[str, Any]) -> Callable[[mx.array], mx.array]:
     s = sampling_of(request)
-    return make_sampler(temp=s.temp, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
+    return make_sampler(
+        temp=s.temp,
+        top_p=s.top_p,
+        min_p=s.min_p,
+        min_tokens_to_keep=s.min_tokens_to_keep,
+        top_k=s.top_k,
+    )
 
 
 def _counts(tokens: mx.array, prompt_len: int, vocab: int) -> mx.array | None:

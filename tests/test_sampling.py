@@ -6,8 +6,9 @@ import mlx.core as mx
 import pytest
 from conftest import invoke, reference, run_cli
 
+from cluster.spec import Sampling
 from node.generate import StopText
-from node.sampling import presence_penalty, repetition_penalty
+from node.sampling import presence_penalty, repetition_penalty, sampler, settings
 
 PROMPT = "Tell me about lists"
 SAMPLED = ("--temp", 0.8, "--top-p", 0.9, "--top-k", 50, "--seed", 7)
@@ -101,6 +102,20 @@ def test_bad_sampling_values_are_usage_errors(models):
 # Penalties and stop strings as units.
 
 VOCAB = 8
+
+
+def test_min_tokens_to_keep_leaves_min_p_that_many_tokens():
+    """--min-p 1 keeps only the likeliest token, unless --min-tokens-to-keep says more."""
+    logprobs = mx.log(mx.array([[0.5, 0.3, 0.2, 0, 0, 0, 0, 0]]))
+
+    def drawn(**options) -> set[int]:
+        sample = sampler(settings(Sampling(temp=1.0, min_p=1.0, seed=0, **options)))
+        mx.random.seed(0)
+        return {sample(logprobs).item() for _ in range(200)}
+
+    assert drawn() == {0}
+    assert drawn(min_tokens_to_keep=2) == {0, 1}
+    assert drawn(min_tokens_to_keep=3) == {0, 1, 2}
 
 
 def test_presence_penalty_skips_the_prompt():

@@ -241,6 +241,13 @@ SAMPLING = {  # Sampling
         show_default=True,
         help="Drop tokens less likely than this fraction of the most likely one.",
     ),
+    "min_tokens_to_keep": click.option(
+        "--min-tokens-to-keep",
+        type=click.IntRange(min=1),
+        default=default(Sampling, "min_tokens_to_keep"),
+        show_default=True,
+        help="The fewest tokens --min-p may leave to sample from.",
+    ),
     "repetition_penalty": click.option(
         "--repetition-penalty",
         type=click.FloatRange(min=0, min_open=True),
