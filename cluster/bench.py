@@ -17,6 +17,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import IO
 
 from .backends import free_port_run, rank_envs
+from .blas import blas_env
 from .hostfile import Hostfile, HostfileError
 from .launcher import (
     Interrupted,
@@ -263,6 +265,7 @@ def run_mlx_lm(config: Config, plan: BenchPlan, hostfile: Hostfile, stderr) -> d
     python = rank_python(hf.hosts[0], hf.python)
     bench = mlx_lm_command(config, plan, python)
     env = {**os.environ, **hf.env, "PYTHONUNBUFFERED": "1"}
+    env |= blas_env(plan.blas, config.ranks, env, sys.platform, os.cpu_count()) or {}
     with tempfile.TemporaryDirectory(prefix="mlx-cluster-bench-") as tmp:
         if config.ranks == 1:
             ranks = [(bench, env)]
