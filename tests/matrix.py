@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -23,6 +24,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from tiny import FAMILIES, VLM_FAMILIES, make_model, make_vlm
+
+from cluster.blas import blas_env
 
 CLI = shutil.which("mlx-cluster", path=str(Path(sys.executable).parent)) or "mlx-cluster"
 PROMPT = "Tell me about lists"
@@ -41,8 +44,14 @@ class Cell:
     detail: str = ""  # max |Δlogit|, or why unsupported / failed
 
 
+# Both sides of a cell use the BLAS a rank picks (cluster.blas), on one thread: pipeline mode
+# then does the single process's arithmetic bit for bit, and a Δ of 0 means exactly that.
+ONE_THREAD = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+REFERENCE_ENV = {**ONE_THREAD, **(blas_env("auto", 1, ONE_THREAD, sys.platform, 1) or {})}
+
+
 def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
-    p = subprocess.run([CLI, *map(str, args)], capture_output=True, timeout=timeout)
+    p = subprocess.run([CLI, *map(str, args)], capture_output=True, timeout=timeout, env=ONE_THREAD)
     return subprocess.CompletedProcess(
         p.args, p.returncode, p.stdout.decode("utf-8"), p.stderr.decode("utf-8", "replace")
     )
@@ -51,19 +60,46 @@ def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
 _cache: dict = {}
 
 
+def _single_process(*args) -> str | list[float]:
+    """One reference, computed in a process with REFERENCE_ENV (the BLAS is chosen at start)."""
+    if args not in _cache:
+        p = subprocess.run(
+            [sys.executable, __file__, "--reference", *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=REFERENCE_ENV,
+            timeout=300,
+        )
+        if p.returncode != 0:
+            raise RuntimeError(f"single-process reference {args} failed:\n{p.stderr}")
+        _cache[args] = json.loads(p.stdout)
+    return _cache[args]
+
+
 def reference(model_dir: Path, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS) -> str:
     """What single-process mlx-lm generates, greedy, the way mlx_lm.generate builds the prompt."""
-    key = ("text", str(model_dir), prompt, max_tokens)
-    if key not in _cache:
-        from mlx_lm import generate, load
-        from mlx_lm.sample_utils import make_sampler
+    return _single_process("text", model_dir, prompt, max_tokens)
 
-        model, tokenizer = load(str(model_dir))
-        ids = _prompt_ids(tokenizer, prompt)
-        _cache[key] = generate(
-            model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(0.0)
-        )
-    return _cache[key]
+
+def reference_logits(model_dir: Path, prompt: str = PROMPT) -> list[float]:
+    """Single-process mlx-lm's next-token logits after the prompt."""
+    return _single_process("logits", model_dir, prompt)
+
+
+def reference_vlm(
+    model_dir: Path, image: Path, prompt: str = VLM_PROMPT, max_tokens: int = MAX_TOKENS
+) -> str:
+    """What single-process mlx-vlm generates, greedy."""
+    return _single_process("vlm", model_dir, prompt, max_tokens, image)
+
+
+def _text(model_dir: str, prompt: str, max_tokens: str) -> str:
+    from mlx_lm import generate, load
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = load(model_dir)
+    ids = _prompt_ids(tokenizer, prompt)
+    return generate(model, tokenizer, ids, max_tokens=int(max_tokens), sampler=make_sampler(0.0))
 
 
 def _prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -76,38 +112,29 @@ def _prompt_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=not use_template)
 
 
-def reference_logits(model_dir: Path, prompt: str = PROMPT) -> list[float]:
-    """Single-process mlx-lm's next-token logits after the prompt."""
-    key = ("logits", str(model_dir), prompt)
-    if key not in _cache:
-        import mlx.core as mx
-        from mlx_lm import load
+def _logits(model_dir: str, prompt: str) -> list[float]:
+    import mlx.core as mx
+    from mlx_lm import load
 
-        model, tokenizer = load(str(model_dir))
-        logits = model(mx.array(_prompt_ids(tokenizer, prompt))[None])
-        _cache[key] = logits[0, -1].astype(mx.float32).tolist()
-    return _cache[key]
+    model, tokenizer = load(model_dir)
+    logits = model(mx.array(_prompt_ids(tokenizer, prompt))[None])
+    return logits[0, -1].astype(mx.float32).tolist()
 
 
-def reference_vlm(
-    model_dir: Path, image: Path, prompt: str = VLM_PROMPT, max_tokens: int = MAX_TOKENS
-) -> str:
-    """What single-process mlx-vlm generates, greedy."""
-    key = ("vlm", str(model_dir), str(image), prompt, max_tokens)
-    if key not in _cache:
-        from mlx_vlm.generate import stream_generate
-        from mlx_vlm.prompt_utils import apply_chat_template
-        from mlx_vlm.utils import load
+def _vlm(model_dir: str, prompt: str, max_tokens: str, image: str) -> str:
+    from mlx_vlm.generate import stream_generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import load
 
-        model, processor = load(str(model_dir))
-        text = apply_chat_template(processor, model.config, prompt, num_images=1)
-        _cache[key] = "".join(
-            r.text
-            for r in stream_generate(
-                model, processor, text, image=[str(image)], max_tokens=max_tokens, temperature=0.0
-            )
-        )
-    return _cache[key]
+    model, processor = load(model_dir)
+    text = apply_chat_template(processor, model.config, prompt, num_images=1)
+    chunks = stream_generate(
+        model, processor, text, image=[image], max_tokens=int(max_tokens), temperature=0.0
+    )
+    return "".join(r.text for r in chunks)
+
+
+REFERENCES = {"text": _text, "logits": _logits, "vlm": _vlm}
 
 
 def make_image(path: Path) -> Path:
@@ -199,7 +226,8 @@ def render(results: dict[str, dict[str, Cell]]) -> str:
         "see `FAMILIES` and `VLM_FAMILIES` there). A cell runs `mlx-cluster launch -n N --mode M`",
         "on this machine (ring backend over loopback) and compares it with single-process",
         f"mlx-lm (mlx-vlm for vision models): {MAX_TOKENS} greedy tokens of text, and the",
-        "next-token logits of the prompt (`launch --logits`).",
+        "next-token logits of the prompt (`launch --logits`). Both sides use the BLAS a rank",
+        "picks (OpenBLAS where the host has it, see `--blas`), on one thread.",
         "",
         "- **match**: the same text; the number is the largest |Δlogit| against single-process",
         "  (0 for pipeline mode, which does the same arithmetic; 1e-5 to 1e-4 for tensor mode,",
@@ -251,7 +279,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", help="comma-separated (default: all)")
     parser.add_argument("--out", type=Path, help="write the markdown here (default: stdout)")
+    parser.add_argument("--reference", nargs="+", help=argparse.SUPPRESS)  # KIND ARGS...
     args = parser.parse_args()
+    if args.reference:
+        kind, *rest = args.reference
+        json.dump(REFERENCES[kind](*rest), sys.stdout)
+        return
     families = args.families.split(",") if args.families else [*TEXT_FAMILIES, *VLM_FAMILIES]
     with tempfile.TemporaryDirectory(prefix="mlx-cluster-matrix-") as tmp:
         results = run_matrix(families, Path(tmp), log=lambda m: print(m, file=sys.stderr))
