@@ -21,6 +21,7 @@ from .blas import INSTALL_HINT, OPENBLAS_PATHS
 from .hostfile import Host, Hostfile, split_weights
 from .modelcheck import check_shardable, choose_split, looks_like_repo, read_config, text_config
 from .process import rank_python, shell_command
+from .protocol import LinkReport
 from .shards import pipeline_split
 
 PACKAGES = ("mlx", "mlx-lm", "mlx-cluster")
@@ -355,12 +356,88 @@ def render(reports: list[HostReport]) -> str:
                 "ok" if r.ok else "FAIL",
             ]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
-    ]
+    lines = table(rows)
     for r in reports:
         where = f"host {r.host.index} ({r.host.target})"
         lines.extend(f"{where}: {p.message}" for p in r.problems)
         lines.extend(f"{where}: note: {note}" for note in r.notes)
+    return "\n".join(lines) + "\n"
+
+
+def table(rows: list[list[str]]) -> list[str]:
+    """Columns padded to their widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    ]
+
+
+# doctor --links: what makes a link worth naming (node/links.py measures)
+SLOW_FACTOR = 3.0  # round trip this many times the best link's (and 100 us more), or bandwidth
+LOSSY_FACTOR, LOSSY_MIN_US = 20.0, 50_000.0  # a worst round trip this far over the median:
+# TCP's retransmission timeouts (at least 200 ms on Linux) show a link that drops packets
+
+
+def link_problems(report: LinkReport, labels: list[str]) -> list[str]:
+    """A corrupting, lossy or slow link named by its two ranks and hosts, with what to do."""
+    problems = []
+    links = report.links
+    best_rtt = min((x["rtt_4b_us"] for x in links), default=0.0)
+    best_gbps = max((x["gbps"] for x in links), default=0.0)
+    for x in links:
+        name = f"link rank {x['a']} ({labels[x['a']]}) - rank {x['b']} ({labels[x['b']]})"
+        if x["bad_words"]:
+            problems.append(
+                f"{name}: {x['bad_words']:.0f} words of a 64 MB pattern arrived changed: the "
+                "link corrupts data; reseat or replace the cable, and update macOS (JACCL had "
+                "such bugs, ml-explore/mlx#3152)"
+            )
+        worst = max(x["rtt_4b_max_us"], x["rtt_8kb_max_us"])
+        if worst > LOSSY_FACTOR * x["rtt_8kb_us"] and worst > LOSSY_MIN_US:
+            problems.append(
+                f"{name}: a round trip took {worst / 1000:.0f} ms against a median of "
+                f"{x['rtt_8kb_us'] / 1000:.2f} ms: the link drops packets (retransmissions); "
+                "check the cable, or move the job off a Wi-Fi or shared link"
+            )
+        if len(links) > 1 and (
+            x["rtt_4b_us"] > SLOW_FACTOR * best_rtt and x["rtt_4b_us"] - best_rtt > 100
+        ):
+            problems.append(
+                f"{name}: round trip {x['rtt_4b_us']:.0f} us, {x['rtt_4b_us'] / best_rtt:.1f}x "
+                "the best link's: every collective waits for it; check that its ips are the "
+                "Thunderbolt addresses, not the LAN"
+            )
+        elif len(links) > 1 and x["gbps"] * SLOW_FACTOR < best_gbps:
+            problems.append(
+                f"{name}: {x['gbps']:.2f} Gbit/s, under a third of the best link's "
+                f"{best_gbps:.2f}: prefill and loading wait for it; check the cable and port"
+            )
+    if report.allsum_bad_words:
+        problems.append(
+            f"all_sum over every rank returned {report.allsum_bad_words:.0f} wrong words: the "
+            "backend corrupts sums; update MLX and macOS on every host"
+        )
+    return problems
+
+
+def render_links(report: LinkReport, labels: list[str]) -> str:
+    rows = [["LINK", "HOSTS", "RTT 4 B", "RTT 8 KB", "WORST", "BANDWIDTH", "EXACT"]]
+    for x in report.links:
+        rows.append(
+            [
+                f"{x['a']}-{x['b']}",
+                f"{labels[x['a']]} - {labels[x['b']]}",
+                f"{x['rtt_4b_us']:.0f} us",
+                f"{x['rtt_8kb_us']:.0f} us",
+                f"{max(x['rtt_4b_max_us'], x['rtt_8kb_max_us']) / 1000:.1f} ms",
+                f"{x['gbps']:.2f} Gbit/s",
+                "yes" if not x["bad_words"] else f"NO ({x['bad_words']:.0f} words)",
+            ]
+        )
+    exact = "yes" if not report.allsum_bad_words else "NO"
+    lines = table(rows) + [
+        f"all_sum over {len(labels)} ranks: {report.allsum_4b_us:.0f} us at 4 B, "
+        f"{report.allsum_8kb_us:.0f} us at 8 KB; exact: {exact}"
+    ]
+    lines += link_problems(report, labels)
     return "\n".join(lines) + "\n"

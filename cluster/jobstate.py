@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 
 from .protocol import (
     AwaitingInput,
+    Beat,
     BenchComm,
     BenchRun,
     Error,
     Event,
     FirstToken,
+    LinkReport,
     Memory,
     Notice,
     Phase,
@@ -44,6 +46,10 @@ class RankState:
     bad_model: bool = False  # its error says the model cannot be served as asked
     peak_memory_gb: float | None = None  # reported by the rank when its work is done
     load_s: float | None = None  # how long the rank took to load its shard
+    progress: int = -1  # the last beat's step count
+    progress_at: float = 0.0  # job time (elapsed) when it last changed
+    idle: bool = False  # waits for the user on purpose: no progress is expected
+    stalled: bool = False  # given up on because no rank made progress (a stuck collective)
 
 
 @dataclass
@@ -56,6 +62,7 @@ class JobResult:
     load_s: list[float | None] = field(default_factory=list)  # per rank
     bench_runs: list[BenchRun] = field(default_factory=list)  # rank 0's
     bench_comm: list[tuple[int, BenchComm]] = field(default_factory=list)  # (rank, counts)
+    links: LinkReport | None = None  # doctor --links (rank 0's)
 
 
 @dataclass
@@ -104,6 +111,8 @@ def on_event(job: JobState, rank: int, event: Event, elapsed: float) -> list[Say
         said.append(Say(bench_run_line(event)))
     elif isinstance(event, BenchComm):
         job.result.bench_comm.append((rank, event))
+    elif isinstance(event, LinkReport):
+        job.result.links = event
     elif isinstance(event, Memory):
         state.peak_memory_gb = event.peak_memory_gb
     elif isinstance(event, Notice):
@@ -112,6 +121,10 @@ def on_event(job: JobState, rank: int, event: Event, elapsed: float) -> list[Say
         on_error(state, event)
     elif isinstance(event, AwaitingInput):
         pass  # the launcher shows a prompt when its stdin is a terminal
+    elif isinstance(event, Beat):
+        if event.progress != state.progress or event.idle:
+            state.progress, state.progress_at = event.progress, elapsed
+        state.idle = event.idle
     return said
 
 
@@ -133,14 +146,17 @@ def on_text(job: JobState, rank: int, text: bytes, elapsed: float) -> bool:
 
 
 def overdue(
-    job: JobState, now: float, elapsed: float, heartbeat_timeout: float, start_timeout: float
+    job: JobState,
+    now: float,
+    elapsed: float,
+    heartbeat_timeout: float,
+    start_timeout: float,
+    stall_timeout: float = 0.0,
 ) -> RankState | None:
-    """The rank to give up on: silent past the heartbeat timeout, or not ready by the start
-    deadline; None while all is well. Marks it unresponsive with the reason."""
-    silent = sorted(
-        (s for s in job.ranks if s.exit_code is None and now - s.last_seen > heartbeat_timeout),
-        key=lambda s: s.last_seen,
-    )
+    """The rank to give up on: silent past the heartbeat timeout, not ready by the start
+    deadline, or (rank 0, for all) no rank making progress past the stall timeout while all
+    still beat; None while all is well. Marks it unresponsive (or stalled) with the reason."""
+    silent = silent_ranks(job, now, heartbeat_timeout)
     if silent:
         # The rank silent longest most likely stopped first; the others may only be
         # waiting on it, and are named too so nothing is hidden.
@@ -162,7 +178,65 @@ def overdue(
         late.unresponsive = True
         late.error = f"not ready after the start timeout of {start_timeout:g} s (--start-timeout)"
         return late
-    return None
+    return stalled(job, elapsed, stall_timeout)
+
+
+def silent_ranks(job: JobState, now: float, heartbeat_timeout: float) -> list[RankState]:
+    """Live ranks that sent nothing for the heartbeat timeout, silent longest first."""
+    silent = [s for s in job.ranks if s.exit_code is None and now - s.last_seen > heartbeat_timeout]
+    return sorted(silent, key=lambda s: s.last_seen)
+
+
+def blame_unreachable(
+    late: RankState, silent: list[RankState], answers: dict[int, bool]
+) -> RankState:
+    """Among silent ranks, the one whose host does not answer is the cause: a rank on a host
+    that answers may only wait on it (MLX holds the GIL in some waits, so it cannot beat).
+    ``answers``: rank -> its host answered a probe. Marks the unreachable ones unresponsive
+    and says of each silent rank which it was."""
+    cut = [s for s in silent if not answers.get(s.rank, True)]
+    if not cut:
+        late.error = f"{late.error}; its host answers: the process is hung, or waits on a peer"
+        return late
+    first = cut[0]
+    first.unresponsive = True
+    first.error = (
+        "sent nothing past the heartbeat timeout and its host does not answer over SSH: it is "
+        "down, asleep or cut off from this machine (check it is awake and its network is up, "
+        "then run again)"
+    )
+    waiting = [f"rank {s.rank} on {s.host}" for s in silent if s not in cut]
+    if waiting:
+        first.error += f"; also silent, on hosts that answer (waiting on it): {', '.join(waiting)}"
+    if cut[1:]:
+        more = ", ".join(f"rank {s.rank} on {s.host}" for s in cut[1:])
+        first.error += f"; hosts that do not answer either: {more}"
+    for s in cut:
+        s.unresponsive = True
+    return first
+
+
+def stalled(job: JobState, elapsed: float, stall_timeout: float) -> RankState | None:
+    """Every rank beats (MLX releases the GIL in a collective) but none has finished a step
+    for ``stall_timeout``: a collective that cannot complete, as when a link between two
+    ranks is down while the launcher still reaches both. Reported on rank 0, naming all."""
+    live = [s for s in job.ranks if s.exit_code is None]
+    if not stall_timeout or not job.all_ready or not live or any(s.idle for s in live):
+        return None
+    since = max([job.result.ready_s or 0.0, *(s.progress_at for s in live)])
+    if elapsed - since <= stall_timeout:
+        return None
+    state = job.ranks[0]
+    state.stalled = True
+    hosts = ", ".join(dict.fromkeys(s.host for s in job.ranks))
+    state.error = (
+        f"no rank made progress for {elapsed - since:.1f} s (--stall-timeout "
+        f"{stall_timeout:g} s) while every rank still sends heartbeats: a collective cannot "
+        f"complete. The launcher reaches every host, so a link between the ranks is most "
+        f"likely down or dropping everything; check the cables and addresses of {hosts} "
+        "(the hostfile's ips), and run with --verbose to see MLX's log"
+    )
+    return state
 
 
 def stats_line(stats: Stats, since_start: float | None) -> str:
@@ -212,7 +286,7 @@ def culprit(failed: RankState, states: list[RankState]) -> RankState:
     to a peer was lost", reported as peer errors) and their exits can even arrive first. So:
     the earliest error a rank reported as its own; else a rank that died without a word (a
     signal, a lost connection), preferring one the launcher did not stop itself."""
-    if failed.unresponsive:
+    if failed.unresponsive or failed.stalled:
         return failed
     reported = [s for s in states if s.error_t is not None]
     if reported:
@@ -227,7 +301,9 @@ def failure_report(failed: RankState, states: list[RankState]) -> str:
     if failed.exit_code == EXIT_PEER_FAILED and states[0].exit_code not in (None, 0):
         failed = states[0]
     code = failed.exit_code
-    if failed.unresponsive:
+    if failed.stalled:
+        how = "waits with every other rank in a collective that does not complete"
+    elif failed.unresponsive:
         how = "stopped responding"
     elif failed.error_t is not None:
         # It said why. How it then exited says nothing more: a peer's failure can start the

@@ -25,6 +25,7 @@ from .jobstate import (
     JobResult,
     JobState,
     RankState,
+    blame_unreachable,
     culprit,
     failure_report,
     on_error,
@@ -32,6 +33,7 @@ from .jobstate import (
     on_text,
     overdue,
     ready_line,
+    silent_ranks,
 )
 from .modelcheck import (
     ModelError,
@@ -42,7 +44,16 @@ from .modelcheck import (
     read_config,
 )
 from .process import STOP_GRACE_S, LocalRank, RankLaunch, make_job_dir, rank_python
-from .protocol import CANCEL, END_OF_INPUT, AwaitingInput, Error, Ready, decode_event
+from .protocol import (
+    CANCEL,
+    END_OF_INPUT,
+    KEEPALIVE,
+    KEEPALIVE_S,
+    AwaitingInput,
+    Error,
+    Ready,
+    decode_event,
+)
 from .spec import JobSpec, LaunchSettings
 
 
@@ -66,6 +77,8 @@ def preflight(hostfile: Hostfile, spec: JobSpec) -> list[int] | None:
     """Checks that need no rank: the model's config (when it is here). Returns the pipeline
     split when one is chosen (explicit or by memory), None for the even split."""
     n = hostfile.world_size
+    if spec.command == "links":  # no model
+        return None
     if spec.split and (spec.mode != "pipeline" or n < 2):
         raise ModelError("--split is for pipeline mode with 2 or more ranks")
     path = Path(spec.model).expanduser()
@@ -98,7 +111,7 @@ def check_ports(launches: list[RankLaunch]) -> None:
 def plan(hostfile: Hostfile, spec: JobSpec, launch: LaunchSettings) -> list[RankLaunch]:
     """Each rank's start: its host, python, environment, files and its view of the job."""
     local = Path(spec.model).expanduser()
-    if local.exists():  # ranks may run in another directory
+    if spec.model and local.exists():  # ranks may run in another directory
         spec = replace(spec, model=str(local.resolve()))
     envs = rank_envs(hostfile, launch.starting_port, launch.connections_per_ip, launch.verbose)
     per_host = [sum(1 for o in envs if o.host.index == e.host.index) for e in envs]
@@ -113,13 +126,13 @@ def plan(hostfile: Hostfile, spec: JobSpec, launch: LaunchSettings) -> list[Rank
                 e.rank,
                 world_size=len(envs),
                 split_weights=split_weights(hostfile),
-                model=rank_model_path(hostfile, e.host, spec.model),
+                model=rank_model_path(hostfile, e.host, spec.model) if spec.model else "",
                 ranks_on_host=per_host[e.rank],
+                launcher_timeout=launch.heartbeat_timeout,
+                hostfile_backend=hostfile.backend,
             ).to_json(),
             cwd=e.host.cwd,
             extra_env=hostfile.env,
-            # chat: our stdin goes on; serve: the drain request travels on it
-            stdin=spec.command in ("chat", "serve") and e.rank == 0,
         )
         for e in envs
     ]
@@ -198,6 +211,7 @@ class RankWatch:
         self.events: queue.Queue = queue.Queue()
         self.wrote_newline = True
         self.drained = False  # serve: rank 0 was asked to drain (it then ends the job)
+        self.stopping = False  # no keepalives once we stop: a rank we cannot reach ends itself
 
     @property
     def result(self) -> JobResult:
@@ -221,6 +235,7 @@ class RankWatch:
             threading.Thread(
                 target=_forward_stdin, args=(self.stdin, self.ranks[0]), daemon=True
             ).start()
+        threading.Thread(target=self.keep_alive, daemon=True, name="keepalive").start()
         running = len(self.ranks)
         while running:
             try:
@@ -241,6 +256,18 @@ class RankWatch:
                 if payload != 0:
                     self.fail(state)
             self.check_liveness()
+
+    def keep_alive(self) -> None:
+        """KEEPALIVE to every live rank once a second: a rank that hears nothing for the
+        heartbeat timeout ends itself (node.watchdog)."""
+        while not self.stopping:
+            for r, state in zip(self.ranks, self.state.ranks, strict=True):
+                if state.exit_code is None and not state.unresponsive and not self.stopping:
+                    try:
+                        r.write_stdin(KEEPALIVE)
+                    except (OSError, ValueError, EOFError, AttributeError):
+                        pass  # not started, or gone: the main loop reports it
+            time.sleep(KEEPALIVE_S)
 
     def write_text(self, payload: bytes) -> None:
         try:
@@ -272,11 +299,32 @@ class RankWatch:
             self.elapsed(),
             self.launch.heartbeat_timeout,
             self.launch.start_timeout,
+            self.launch.stall_timeout,
         )
+        if late is not None and late.unresponsive and late.phase != "starting":
+            silent = silent_ranks(self.state, time.monotonic(), self.launch.heartbeat_timeout)
+            late = blame_unreachable(late, silent, self.probe_hosts(silent))
         if late is not None:
             self.fail(late)
 
+    def probe_hosts(self, states: list[RankState]) -> dict[int, bool]:
+        """rank -> whether its host answers a trivial command now, all asked at once."""
+        answers: dict[int, bool] = {}
+
+        def ask(rank: int) -> None:
+            answers[rank] = self.ranks[rank].host_answers()
+
+        askers = [threading.Thread(target=ask, args=(s.rank,), daemon=True) for s in states]
+        for t in askers:
+            t.start()
+        for t in askers:
+            t.join()
+        return answers
+
     def fail(self, state: RankState) -> None:
+        for r, st in zip(self.ranks, self.state.ranks, strict=True):
+            if st.unresponsive:  # its host may be unreachable: one bounded attempt to stop it
+                r.give_up()
         self.stop_all()
         first = culprit(state, self.state.ranks)
         raise LaunchError(
@@ -284,6 +332,7 @@ class RankWatch:
         )
 
     def stop_all(self) -> None:
+        self.stopping = True
         _stop_all(self.ranks, self.state.ranks, self.events)
 
 
@@ -418,21 +467,31 @@ def _forward_stdin(stdin: IO[bytes], rank) -> None:
         pass  # rank 0 is gone; its exit is reported by the main loop
 
 
+def _stop_one(rank) -> None:
+    """SIGTERM, then SIGKILL after the grace period if the rank is still there."""
+    rank.send_signal(signal.SIGTERM)
+    rank.send_signal(signal.SIGCONT)  # a stopped (SIGSTOP) rank acts on the TERM only then
+    if rank.wait(STOP_GRACE_S) is None:
+        rank.send_signal(signal.SIGKILL)
+        rank.wait(STOP_GRACE_S)
+
+
 def _stop_all(ranks: list, states: list[RankState], events: queue.Queue) -> None:
-    """SIGTERM every live rank, SIGKILL what is left after a grace period, wait for all."""
-    for r, st in zip(ranks, states, strict=True):
+    """Stop every live rank, all at once (a host that cannot be reached costs its own
+    bounded attempt, not the others' time), and wait for them."""
+    for st in states:
         st.stopped_by_us = st.exit_code is None
-        r.send_signal(signal.SIGTERM)
-        r.send_signal(signal.SIGCONT)  # a stopped (SIGSTOP) rank acts on the TERM only then
-    deadline = time.monotonic() + STOP_GRACE_S
-    for r in ranks:
-        if r.wait(max(0.0, deadline - time.monotonic())) is None:
-            r.send_signal(signal.SIGKILL)
-            r.wait(STOP_GRACE_S)
+    stoppers = [threading.Thread(target=_stop_one, args=(r,), daemon=True) for r in ranks]
+    for t in stoppers:
+        t.start()
+    deadline = time.monotonic() + 2 * STOP_GRACE_S + 1
+    for t in stoppers:
+        t.join(max(0.0, deadline - time.monotonic()))
     # Collect what the ranks printed on the way out, up to each one's exit (which comes after
-    # all of its output): it belongs in the report, and says which rank failed first.
+    # all of its output): it belongs in the report, and says which rank failed first. A rank
+    # on a host that stopped answering has nothing more to say.
     deadline = time.monotonic() + STOP_GRACE_S
-    while any(st.exit_code is None for st in states):
+    while any(st.exit_code is None and not r.lost for r, st in zip(ranks, states, strict=True)):
         try:
             kind, rank, payload = events.get(timeout=max(0.01, deadline - time.monotonic()))
         except queue.Empty:

@@ -37,7 +37,6 @@ class RankLaunch:
     spec: str  # job spec JSON text
     cwd: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
-    stdin: bool = False  # forward the launcher's stdin to this rank (rank 0 in chat)
 
 
 def write_files(files: dict[str, str], directory: Path) -> dict[str, str]:
@@ -79,7 +78,7 @@ class LocalRank:
         env["PYTHONUNBUFFERED"] = "1"
         self.proc = subprocess.Popen(
             node_command(self.launch.python, str(spec_path)),
-            stdin=subprocess.PIPE if self.launch.stdin else subprocess.DEVNULL,
+            stdin=subprocess.PIPE,  # the launcher's channel (node.watchdog)
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
@@ -107,6 +106,14 @@ class LocalRank:
     def write_stdin(self, data: bytes) -> None:
         self.proc.stdin.write(data)
         self.proc.stdin.flush()
+
+    lost = False  # a process on this machine can always be signalled and waited for
+
+    def give_up(self) -> None:
+        """Nothing to do: a process on this machine can always be signalled."""
+
+    def host_answers(self) -> bool:
+        return True
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,9 @@ CANCEL = b"\x03"  # launcher -> rank 0's stdin: Ctrl-C in chat, end the current 
 # launcher -> rank 0's stdin: no more input, finish and quit. Chat: our stdin reached EOF (the
 # pipe stays open, so a later Ctrl-C's CANCEL still arrives); serve: SIGINT/SIGTERM, drain.
 END_OF_INPUT = b"\x04"
+# launcher -> every rank's stdin, once a second: the launcher is still there (node.watchdog)
+KEEPALIVE = b"\x16"
+KEEPALIVE_S = 1.0
 
 
 @dataclass
@@ -26,6 +30,8 @@ class Beat:
     """Once a second, also while the main thread waits in a collective."""
 
     kind = "beat"
+    progress: int = 0  # steps the rank's main loop finished: none for long is a stall
+    idle: bool = False  # waiting for the user on purpose (chat): no progress is expected
 
 
 @dataclass
@@ -73,6 +79,17 @@ class Notice:
 
     kind = "notice"
     message: str
+
+
+@dataclass
+class LinkReport:
+    """``doctor --links``: each link the backend uses, and all_sum over the whole group."""
+
+    kind = "link_report"
+    links: list[dict[str, Any]]  # a, b, rtt_4b_us, ..., gbps, bad_words (node.links.FIELDS)
+    allsum_4b_us: float
+    allsum_8kb_us: float
+    allsum_bad_words: float
 
 
 @dataclass
@@ -125,23 +142,9 @@ Event = (
     | Error
     | BenchRun
     | BenchComm
+    | LinkReport
 )
-EVENTS: dict[str, type] = {
-    cls.kind: cls
-    for cls in (
-        Beat,
-        Phase,
-        Ready,
-        FirstToken,
-        Stats,
-        Memory,
-        Notice,
-        AwaitingInput,
-        Error,
-        BenchRun,
-        BenchComm,
-    )
-}
+EVENTS: dict[str, type] = {cls.kind: cls for cls in typing.get_args(Event)}
 
 
 def encode_event(event: Event) -> str:

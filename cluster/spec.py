@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-COMMANDS = ("generate", "logits", "chat", "serve", "bench")
+COMMANDS = ("generate", "logits", "chat", "serve", "bench", "links")
 
 
 @dataclass
@@ -96,6 +96,8 @@ class JobSpec:
     bench: BenchSettings = field(default_factory=BenchSettings)
     blas: str = "auto"  # Linux ranks: "auto" preloads an optimized BLAS when found, "reference"
     ranks_on_host: int = 1  # ranks sharing this rank's host (BLAS threads = cores / this)
+    launcher_timeout: float = 30.0  # the rank ends itself when the launcher is silent this long
+    hostfile_backend: str = "ring"  # ring, jaccl, jaccl-ring (links: which pairs it joins)
 
     def to_json(self) -> str:
         return json.dumps(to_dict(self))
@@ -118,8 +120,9 @@ class LaunchSettings:
 
     starting_port: int | None = None
     connections_per_ip: int = 1
-    heartbeat_timeout: float = 30.0
+    heartbeat_timeout: float = 30.0  # both ways: ranks to the launcher and back
     start_timeout: float = 1800.0
+    stall_timeout: float = 120.0  # every rank beats but none makes progress: a stuck collective
     accept_new_host_keys: bool = False
     verbose: bool = False
 

@@ -30,6 +30,7 @@ from .hostfile import Host, Hostfile
 from .process import STOP_GRACE_S, RankLaunch, node_command, shell_command
 
 CONNECT_TIMEOUT_S = 10.0
+SIGNAL_TIMEOUT_S = 3.0  # for a host to answer a kill over an open connection; past it: lost
 FORWARDED_SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
@@ -132,8 +133,12 @@ def connect(host: Host, hostfile: Hostfile, accept_new: bool = False) -> paramik
 
 
 def run(client: paramiko.SSHClient, command: str, timeout: float = 30.0) -> tuple[int, str, str]:
-    """Run a short command; (exit status, stdout, stderr)."""
+    """Run a short command; (exit status, stdout, stderr). TimeoutError when the host does
+    not answer within ``timeout`` (a cut link leaves the connection open but silent)."""
     _, out, err = client.exec_command(command, timeout=timeout)
+    if not out.channel.status_event.wait(timeout):
+        out.channel.close()
+        raise TimeoutError(f"{command!r} got no answer within {timeout:g} s")
     status = out.channel.recv_exit_status()
     return status, out.read().decode(), err.read().decode()
 
@@ -190,6 +195,8 @@ class RemoteRank:
     ):
         self.reconnect = reconnect
         self._exited = False  # an exit status came back: the process is surely gone
+        self.lost = False  # its host stopped answering: one bounded attempt, then let go
+        self._lost_tried = False
         self.launch = launch
         self.rank = launch.rank
         self.host = launch.host
@@ -239,8 +246,7 @@ class RemoteRank:
         d = shlex.quote(self.dir)
         cwd = shlex.quote(self.launch.cwd) if self.launch.cwd else d
         command = shell_command(node_command(self.launch.python, f"{self.dir}/job.json"))
-        stdin = "" if self.launch.stdin else " < /dev/null"
-        script = f"cd {cwd} && . {d}/env.sh && echo $$ > {d}/pid && exec {command}{stdin}"
+        script = f"cd {cwd} && . {d}/env.sh && echo $$ > {d}/pid && exec {command}"
         self.channel = self.client.get_transport().open_session()
         self.channel.exec_command(script)
         threading.Thread(target=self._pump, args=(events,), daemon=True).start()
@@ -275,29 +281,59 @@ class RemoteRank:
     def poll(self) -> int | None:
         return self.exit_code
 
+    def give_up(self) -> None:
+        """The host stopped answering (heartbeat timeout): the next signal is one SIGKILL
+        with a short timeout and nothing after it waits. The rank ends itself when it hears
+        nothing from us (node.watchdog)."""
+        self.lost = True
+
+    def host_answers(self) -> bool:
+        """Whether the host runs a trivial command over our connection within
+        SIGNAL_TIMEOUT_S (a silent rank on a host that answers is hung, not cut off)."""
+        try:
+            return run(self.client, "true", timeout=SIGNAL_TIMEOUT_S)[0] == 0
+        except (paramiko.SSHException, OSError, EOFError):
+            self.lost = self._lost_tried = True  # nothing more is tried or waited for
+            return False
+
     def send_signal(self, sig: int) -> None:
         """Signal the remote process group itself, over a new connection if the old one
         dropped (a dropped channel does not end a process that is not writing)."""
         if self.channel is None or self._exited:
             return
-        client = self._live_client()
         pid = f"$(cat {shlex.quote(self.dir)}/pid 2>/dev/null)"
 
         def kill(s: int) -> str:  # the process group first, the process if that fails
             return f"kill -{int(s)} -- -{pid} 2>/dev/null || kill -{int(s)} {pid} 2>/dev/null"
 
+        if self.lost:
+            if not self._lost_tried:
+                self._lost_tried = True
+                try:
+                    run(self.client, kill(signal.SIGKILL), timeout=SIGNAL_TIMEOUT_S)
+                except (paramiko.SSHException, OSError, EOFError, TimeoutError):
+                    pass
+            return
+        client = self._live_client()
         try:
-            run(client, kill(sig), timeout=CONNECT_TIMEOUT_S)
+            run(client, kill(sig), timeout=SIGNAL_TIMEOUT_S)
+        except (paramiko.SSHException, OSError, EOFError):  # TimeoutError is an OSError
+            # The host does not answer (a cut link, a host that went away after the job
+            # failed elsewhere): nothing more is tried or waited for; the rank hears no
+            # keepalive from us and ends itself (node.watchdog).
+            self.lost = self._lost_tried = True
+            return
+        try:
             if self._done.is_set() and sig == signal.SIGTERM:
                 # No channel to wait on: poll the process until it is gone, then insist.
                 deadline = time.monotonic() + STOP_GRACE_S
                 while time.monotonic() < deadline:
-                    if run(client, f"kill -0 {pid} 2>/dev/null", CONNECT_TIMEOUT_S)[0] != 0:
+                    if run(client, f"kill -0 {pid} 2>/dev/null", SIGNAL_TIMEOUT_S)[0] != 0:
                         return
                     time.sleep(0.2)
-                run(client, kill(signal.SIGKILL), timeout=CONNECT_TIMEOUT_S)
+                run(client, kill(signal.SIGKILL), timeout=SIGNAL_TIMEOUT_S)
         except (paramiko.SSHException, OSError, EOFError):
-            pass  # the host is unreachable: nothing more can be done from here
+            self.lost = self._lost_tried = True
 
     def _live_client(self) -> paramiko.SSHClient:
         transport = self.client.get_transport()
@@ -309,11 +345,11 @@ class RemoteRank:
         return self.client
 
     def wait(self, timeout: float | None = None) -> int | None:
-        self._done.wait(timeout)
+        self._done.wait(0 if self.lost else timeout)
         return self.exit_code
 
     def cleanup(self) -> None:
-        if self.dir is None:
+        if self.dir is None or self.lost:  # a job directory left on a lost host is harmless
             return
         try:
             d, parent = shlex.quote(self.dir), shlex.quote(posixpath.dirname(self.dir))

@@ -1,8 +1,10 @@
-"""A rank: ``python -m node run --spec JOB.json``.
+"""A rank: ``python -m node run --spec JOB.json``, and its launcher watcher, ``python -m node
+watch`` (``node.watchdog``; the rank starts it).
 
 stdout carries only generated text (rank 0); stderr carries logs and one-line JSON events for
-the launcher (``cluster.protocol``). Exit codes: 0 done, 1 this rank failed, 3 this rank stopped
-because rank 0 failed.
+the launcher (``cluster.protocol``); stdin is the launcher's channel (``node.watchdog``). Exit
+codes: 0 done, 1 this rank failed, 3 this rank stopped because rank 0 failed; killed (SIGKILL)
+by its watcher when the launcher was lost.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ import traceback
 
 from cluster.blas import blas_env
 from cluster.modelcheck import ModelError, check_request
-from cluster.protocol import Beat, Error, Event, Memory, Phase, Ready, Stats, encode_event
+from cluster.protocol import Error, Event, Memory, Phase, Ready, Stats, encode_event
 from cluster.spec import JobSpec, Request
 
 EXIT_FAILED = 1
 EXIT_PEER_FAILED = 3
-HEARTBEAT_S = 1.0
 _stderr_lock = threading.Lock()
 
 
@@ -47,18 +48,6 @@ def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def start_heartbeat() -> None:
-    """A beat every second, also while the main thread waits in a collective (MLX releases
-    the GIL there): the launcher takes a rank that stops beating for stopped or hung."""
-
-    def beat():
-        while True:
-            emit(Beat())
-            time.sleep(HEARTBEAT_S)
-
-    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
-
-
 def write_text(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
@@ -75,6 +64,12 @@ def run(spec: JobSpec) -> None:
     emit(Phase("init"))
     group = init_group(spec.world_size)
     rank = group.rank()
+    if spec.command == "links":  # doctor --links: the backend alone, no model
+        from .links import run_links
+
+        emit(Ready(0.0))
+        run_links(group, spec.hostfile_backend, emit)
+        return
     limit = apply_metal_limits()
     if limit is not None:
         log(f"Metal memory and wired limits: {limit / 1e9:.1f} GB")
@@ -162,7 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     run_p = sub.add_parser("run", help="run one rank of a job")
     run_p.add_argument("--spec", required=True, help="path of the job spec (JSON)")
+    watch_p = sub.add_parser("watch", help="watch the launcher for a rank (it starts this)")
+    watch_p.add_argument("--rank-pid", type=int, required=True)
+    watch_p.add_argument("--timeout", type=float, required=True)
+    watch_p.add_argument("--lifeline", type=int, required=True)
     args = parser.parse_args(argv)
+    if args.cmd == "watch":
+        from .watchdog import watch_launcher
+
+        watch_launcher(args.rank_pid, args.timeout, args.lifeline)
+        return 0
     try:
         with open(args.spec) as f:
             spec = JobSpec.from_json(f.read())
@@ -172,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     reexec_with_blas(spec, argv)
     from .share import PeerFailed  # imports mlx: after the BLAS is chosen
+    from .watchdog import start_heartbeat, start_launcher_link
 
-    start_heartbeat()
+    start_launcher_link(spec.launcher_timeout)
+    start_heartbeat(emit)
     try:
         run(spec)
     except PeerFailed as e:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from typing import IO
@@ -168,11 +167,12 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
     from .generate import generate
     from .sampling import settings
     from .share import share_from_rank0
+    from .watchdog import launcher_input, progress
 
     rank0 = group.rank() == 0
     cache = TurnCache(loaded.model, spec.prompt_cache_gb * 1e9)
     if rank0:
-        inp = Input(sys.stdin.buffer)
+        inp = Input(launcher_input())
         conversation = Conversation(loaded.tokenizer, spec.request.template)
         if not conversation.templated:
             emit(
@@ -185,7 +185,8 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
         def next_request() -> dict | None:
             nonlocal user
             emit(AwaitingInput())
-            user = next_turn(inp, conversation, notice)
+            with progress.waiting():  # the user thinking is not a stalled collective
+                user = next_turn(inp, conversation, notice)
             if user is None:
                 return None
             return {"tokens": conversation.tokens_for(user), **settings(spec.request.sampling)}

@@ -18,6 +18,7 @@ from cluster.spec import Request, Template
 
 from .reasoning import THINK_OPEN, Rewrite, held_back, normalizer, opens_in_thought
 from .sampling import processors, sampler, sampling_of, settings
+from .watchdog import progress
 
 STOP_CHECK_EVERY = 4  # tokens between the ranks' checks of rank 0's stop decision
 TEMPLATE_SWITCHES = ("tools", "enable_thinking", "reasoning_effort")
@@ -99,6 +100,7 @@ def token_stream(model, tokenizer, request: dict, prompt_cache=None, feed=None) 
         sampler=sampler(request),
         logits_processors=processors(request, len(feed)),
         prompt_cache=prompt_cache,
+        prompt_progress_callback=lambda *_: progress.tick(),
     )
 
 
@@ -209,6 +211,7 @@ def stream(
         if first is None:
             first = time.perf_counter()
         last = response
+        progress.tick()
         tokens.append(response.token)
         if stopped_at is None and write is not None:
             shown, hit = text.feed(response.text)

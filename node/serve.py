@@ -26,6 +26,7 @@ from cluster.spec import JobSpec, Sampling, ServeSettings, Template, default
 
 from .generate import AnswerText, answer_stats, answer_text
 from .sampling import settings
+from .watchdog import progress
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 DRAINED_BODY_BYTES = 64 * 1024 * 1024  # an over-size body up to this is read, then refused;
@@ -294,14 +295,15 @@ class Server:
 
 
 def start_drain_listener(server: Server) -> None:
-    """The launcher asks for a drain by writing END_OF_INPUT to rank 0's stdin (on SIGINT/SIGTERM);
-    stdin closing (the launcher is gone) asks for one too."""
-    import sys
-
+    """The launcher asks for a drain by writing END_OF_INPUT to rank 0 (on SIGINT/SIGTERM);
+    a launcher that is gone ends the rank (node.watchdog)."""
     from cluster.protocol import END_OF_INPUT
 
+    from .watchdog import launcher_input
+
     def listen():
-        while (data := sys.stdin.buffer.read1(64)) and END_OF_INPUT not in data:
+        stream = launcher_input()
+        while (data := stream.read(64)) and END_OF_INPUT not in data:
             pass
         server.draining.set()
         server.jobs.put(None)
@@ -576,6 +578,7 @@ def run_serve(loaded, group, spec: JobSpec, emit) -> None:
         emit(Notice(f"serving {server.model_id} on http://{host}:{port}/v1, {how}"))
     live = 0
     while True:
+        progress.tick()  # a round, or an idle ping every PING_S: all ranks met
         order = scheduler.order(live) if rank0 else None
         order = share_object(order, group)
         if rank0:

@@ -50,7 +50,7 @@ def descendant_ranks(root: int, tree: dict[int, list[int]], cmdline) -> list[int
     while todo:
         for child in tree.get(todo.pop(), []):
             todo.append(child)
-            if " -m node run " in f" {cmdline(child)} ":
+            if " -m node " in f" {cmdline(child)} ":
                 found.append(child)
     return found
 

@@ -193,8 +193,8 @@ def test_sigstopped_rank_is_named_after_heartbeat_timeout(sshd, models, tmp_path
 @pytest.mark.parametrize("where", ["local", "ssh"])
 def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
     """Rank 0 gets our stdin as it is typed (chat needs it). The "python" here echoes exactly
-    the bytes we type (`head -c`; the launcher keeps the pipe open after our EOF and sends
-    END_OF_INPUT, so `cat` would never end); the other rank has no stdin and exits."""
+    the bytes we type, less the launcher's keepalives (the launcher keeps the pipe open after
+    our EOF and sends END_OF_INPUT, so `cat` would never end); the other rank exits."""
     import io
 
     from cluster.hostfile import load_hostfile
@@ -203,7 +203,14 @@ def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
 
     typed = "first line\nzweite Zeile é\n".encode()
     fake = tmp_path / "python-echoes"
-    fake.write_text(f"#!/bin/sh\nexec head -c {len(typed)}\n")
+    fake.write_text(
+        f"#!{sys.executable}\nimport os, sys\n"
+        "if os.environ['MLX_RANK'] != '0':\n    sys.exit(0)\n"
+        "got = b''\n"
+        f"while len(got) < {len(typed)} and (data := os.read(0, 65536)):\n"
+        "    got += data.replace(b'\\x16', b'')\n"
+        "os.write(1, got)\n"
+    )
     fake.chmod(0o755)
     layout = "  - ssh: localhost\n    slots: 2\n" if where == "local" else over_ssh(sshd, 2)
     path = tmp_path / "hosts.yaml"

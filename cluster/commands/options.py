@@ -189,7 +189,17 @@ LAUNCH = {  # LaunchSettings: how the launcher runs and watches the ranks
         default=default(LaunchSettings, "heartbeat_timeout"),
         show_default=True,
         help="Give up on a rank that sends nothing (not even its once-a-second heartbeat) "
-        "for this many seconds: stopped, hung, or its host unreachable.",
+        "for this many seconds: stopped, hung, or its host unreachable. A rank that hears "
+        "nothing from the launcher for as long ends itself.",
+    ),
+    "stall_timeout": click.option(
+        "--stall-timeout",
+        type=click.FloatRange(min=1),
+        default=default(LaunchSettings, "stall_timeout"),
+        show_default=True,
+        help="Give up when every rank still beats but none has finished a step (a token, a "
+        "prefill chunk) for this many seconds: a collective that cannot complete, as when a "
+        "cable between two Macs is pulled.",
     ),
     "start_timeout": click.option(
         "--start-timeout",

@@ -1,0 +1,148 @@
+"""A rank's side of liveness, both ways.
+
+To the launcher: a ``Beat`` every second from its own thread, also while the main thread waits
+in a collective (MLX releases the GIL there). Each beat carries the rank's progress (steps its
+main loop finished) and whether it is idle by design (waiting for the user's next turn), so the
+launcher can tell a stalled collective, where every rank beats but none moves, from a quiet one.
+Some MLX calls hold the GIL while they wait (``mx.clear_cache`` synchronizes the streams, and
+mlx-lm calls it every 256 tokens); a rank stuck there stops beating, and the launcher sees it
+as silent.
+
+From the launcher: rank stdin is the launcher's channel. It writes KEEPALIVE once a second. A
+watcher process (``python -m node watch``, started by the rank, its own interpreter so no GIL
+the rank holds can stop it) reads stdin, takes the keepalives out and hands everything else to
+the rank (chat turns, CANCEL, END_OF_INPUT) through a pipe. EOF means the launcher is gone
+(killed, or its SSH session closed); silence for the heartbeat timeout means it cannot reach
+this host any more (a laptop that lost its network). Either way the watcher says why on stderr
+and kills the rank: a rank left waiting in a collective keeps its memory wired on a Mac until
+reboot. The watcher ends with the rank: it holds the read end of a pipe only the rank writes
+to, which the kernel closes when the rank exits however it exits.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import IO
+
+from cluster.protocol import KEEPALIVE, Beat, Error, Event, encode_event
+
+HEARTBEAT_S = 1.0
+
+
+class Progress:
+    """Steps the main loop finished (tokens, prefill chunks, serve rounds), and whether the
+    rank waits for input on purpose."""
+
+    def __init__(self):
+        self.steps = 0
+        self.idle = False
+
+    def tick(self) -> None:
+        self.steps += 1
+
+    @contextmanager
+    def waiting(self):
+        """While the rank waits for the user (chat), no progress is not a stall."""
+        self.idle = True
+        try:
+            yield
+        finally:
+            self.idle = False
+            self.tick()
+
+
+progress = Progress()
+
+
+def start_heartbeat(emit: Callable[[Event], None]) -> None:
+    def beat():
+        while True:
+            emit(Beat(progress=progress.steps, idle=progress.idle))
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
+
+
+def watch_launcher(
+    rank_pid: int,
+    timeout: float,
+    lifeline: int,
+    stdin: int = 0,
+    out: int = 1,
+    kill: Callable[[int, int], None] = os.kill,
+) -> str | None:
+    """The watcher's loop: copy stdin to ``out`` without the keepalives until the rank ends
+    (``lifeline`` at EOF: returns None) or the launcher is lost (kills the rank, returns why)."""
+    heard = time.monotonic()
+    why = None
+    while why is None:
+        ready, _, _ = select.select([lifeline, stdin], [], [], min(1.0, timeout / 4 or 1.0))
+        if lifeline in ready:
+            return None  # the rank ended
+        if stdin in ready:
+            try:
+                data = os.read(stdin, 65536)
+            except OSError:
+                data = b""
+            if not data:
+                why = "the launcher closed its connection to this rank (it ended or was killed)"
+                break
+            heard = time.monotonic()
+            data = data.replace(KEEPALIVE, b"")
+            try:
+                if data:
+                    os.write(out, data)
+            except OSError:
+                return None  # the rank closed its end: it is ending
+        silent = time.monotonic() - heard
+        if timeout > 0 and silent > timeout:
+            why = (
+                f"no word from the launcher for {silent:.0f} s (heartbeat timeout {timeout:g} s): "
+                "it cannot reach this host any more"
+            )
+    if select.select([lifeline], [], [], 0)[0]:
+        return None  # the rank ended meanwhile: its PID may already be another process's
+    message = f"{why}; this rank ends itself so it holds no memory"
+    try:
+        event = encode_event(Error(message, t=time.time()))
+        os.write(2, f"error: {message}\n{event}".encode())
+    except OSError:
+        pass  # nobody is reading any more
+    kill(rank_pid, signal.SIGKILL)
+    return why
+
+
+_input: IO[bytes] | None = None
+_lifeline: int | None = None  # the write end, held open for the rank's whole life
+_watcher: subprocess.Popen | None = None
+
+
+def start_launcher_link(timeout: float) -> None:
+    """Start this rank's watcher (see the module's docstring); stdin is its from now on."""
+    global _input, _lifeline, _watcher
+    data_r, data_w = os.pipe()
+    life_r, _lifeline = os.pipe()
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    watch = [sys.executable, "-m", "node", "watch", "--rank-pid", str(os.getpid())]
+    watch += ["--timeout", str(timeout), "--lifeline", str(life_r)]
+    _watcher = subprocess.Popen(watch, stdin=0, stdout=data_w, pass_fds=(life_r,), env=env)
+    os.close(data_w)
+    os.close(life_r)
+    devnull = os.open(os.devnull, os.O_RDONLY)  # nothing in the rank reads the link itself
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    _input = os.fdopen(data_r, "rb", buffering=0)
+
+
+def launcher_input() -> IO[bytes]:
+    """What the launcher sends this rank besides its keepalives (chat turns, CANCEL,
+    END_OF_INPUT); plain stdin when the rank runs without a launcher."""
+    return _input if _input is not None else sys.stdin.buffer
