@@ -301,8 +301,9 @@ class RankWatch:
             self.launch.start_timeout,
             self.launch.stall_timeout,
         )
-        if late is not None and late.unresponsive and late.phase != "starting":
-            silent = silent_ranks(self.state, time.monotonic(), self.launch.heartbeat_timeout)
+        silent = silent_ranks(self.state, time.monotonic(), self.launch.heartbeat_timeout)
+        if late is not None and late.unresponsive and silent:
+            # a host that does not answer is marked lost: one bounded attempt to stop its rank
             late = blame_unreachable(late, silent, self.probe_hosts(silent))
         if late is not None:
             self.fail(late)
@@ -322,9 +323,6 @@ class RankWatch:
         return answers
 
     def fail(self, state: RankState) -> None:
-        for r, st in zip(self.ranks, self.state.ranks, strict=True):
-            if st.unresponsive:  # its host may be unreachable: one bounded attempt to stop it
-                r.give_up()
         self.stop_all()
         first = culprit(state, self.state.ranks)
         raise LaunchError(
@@ -402,11 +400,8 @@ def run_job(
     try:
         ranks, clients = open_ranks(hostfile, launches, job_dir, launch.accept_new_host_keys)
         watch = RankWatch(ranks, spec.command, launch, stdout, stderr, started, stdin)
-        log(
-            stderr,
-            f"starting {len(ranks)} rank(s), {spec.mode} mode, "
-            f"{hostfile.backend} backend, model {spec.model}",
-        )
+        what = f"{spec.mode} mode, model {spec.model}" if spec.model else "to measure the links"
+        log(stderr, f"starting {len(ranks)} rank(s), {hostfile.backend} backend, {what}")
         if split:
             log(stderr, f"pipeline split, layers per rank: {','.join(map(str, split))}")
         watch.run()

@@ -109,9 +109,6 @@ class LocalRank:
 
     lost = False  # a process on this machine can always be signalled and waited for
 
-    def give_up(self) -> None:
-        """Nothing to do: a process on this machine can always be signalled."""
-
     def host_answers(self) -> bool:
         return True
 

@@ -195,8 +195,7 @@ class RemoteRank:
     ):
         self.reconnect = reconnect
         self._exited = False  # an exit status came back: the process is surely gone
-        self.lost = False  # its host stopped answering: one bounded attempt, then let go
-        self._lost_tried = False
+        self.lost = False  # its host did not answer within SIGNAL_TIMEOUT_S: let go
         self.launch = launch
         self.rank = launch.rank
         self.host = launch.host
@@ -281,19 +280,13 @@ class RemoteRank:
     def poll(self) -> int | None:
         return self.exit_code
 
-    def give_up(self) -> None:
-        """The host stopped answering (heartbeat timeout): the next signal is one SIGKILL
-        with a short timeout and nothing after it waits. The rank ends itself when it hears
-        nothing from us (node.watchdog)."""
-        self.lost = True
-
     def host_answers(self) -> bool:
         """Whether the host runs a trivial command over our connection within
         SIGNAL_TIMEOUT_S (a silent rank on a host that answers is hung, not cut off)."""
         try:
             return run(self.client, "true", timeout=SIGNAL_TIMEOUT_S)[0] == 0
         except (paramiko.SSHException, OSError, EOFError):
-            self.lost = self._lost_tried = True  # nothing more is tried or waited for
+            self.lost = True  # nothing more is tried or waited for
             return False
 
     def send_signal(self, sig: int) -> None:
@@ -306,13 +299,7 @@ class RemoteRank:
         def kill(s: int) -> str:  # the process group first, the process if that fails
             return f"kill -{int(s)} -- -{pid} 2>/dev/null || kill -{int(s)} {pid} 2>/dev/null"
 
-        if self.lost:
-            if not self._lost_tried:
-                self._lost_tried = True
-                try:
-                    run(self.client, kill(signal.SIGKILL), timeout=SIGNAL_TIMEOUT_S)
-                except (paramiko.SSHException, OSError, EOFError, TimeoutError):
-                    pass
+        if self.lost:  # its host did not answer once already: nothing more is tried
             return
         client = self._live_client()
         try:
@@ -321,7 +308,7 @@ class RemoteRank:
             # The host does not answer (a cut link, a host that went away after the job
             # failed elsewhere): nothing more is tried or waited for; the rank hears no
             # keepalive from us and ends itself (node.watchdog).
-            self.lost = self._lost_tried = True
+            self.lost = True
             return
         try:
             if self._done.is_set() and sig == signal.SIGTERM:
@@ -333,7 +320,7 @@ class RemoteRank:
                     time.sleep(0.2)
                 run(client, kill(signal.SIGKILL), timeout=SIGNAL_TIMEOUT_S)
         except (paramiko.SSHException, OSError, EOFError):
-            self.lost = self._lost_tried = True
+            self.lost = True
 
     def _live_client(self) -> paramiko.SSHClient:
         transport = self.client.get_transport()

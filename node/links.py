@@ -119,6 +119,7 @@ def run_links(group, backend: str, emit: Callable) -> None:
         if row is not None:
             rows[k] = mx.array(row, dtype=mx.float32)
     totals = mx.distributed.all_sum(rows, group=group)  # each row is filled on one rank
+    mx.eval(totals)  # on every rank: a collective left lazy on one rank hangs the others
     checks = allsum_checks(group)
     if rank == 0:
         links = [

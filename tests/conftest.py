@@ -44,30 +44,34 @@ def _cmdline(pid: int) -> str:
         return out.stdout.decode()
 
 
-def descendant_ranks(root: int, tree: dict[int, list[int]], cmdline) -> list[int]:
-    """The `python -m node run` processes below ``root`` in ``tree`` (parent -> children)."""
+def descendant_ranks(
+    root: int, tree: dict[int, list[int]], cmdline, what: str = " -m node run "
+) -> list[int]:
+    """The `python -m node run` processes (``what``) below ``root`` in ``tree`` (parent ->
+    children)."""
     found, todo = [], [root]
     while todo:
         for child in tree.get(todo.pop(), []):
             todo.append(child)
-            if " -m node " in f" {cmdline(child)} ":
+            if what in f" {cmdline(child)} ":
                 found.append(child)
     return found
 
 
-def rank_pids() -> list[int]:
+def rank_pids(what: str = " -m node run ") -> list[int]:
     """The `python -m node run` processes that this test session started (its descendants,
-    orphans included); never a user's own job running beside the tests."""
-    return descendant_ranks(os.getpid(), _children(), _cmdline)
+    orphans included); never a user's own job running beside the tests. ``what=" -m node "``
+    counts the ranks' launcher watchers (`python -m node watch`) too."""
+    return descendant_ranks(os.getpid(), _children(), _cmdline, what)
 
 
 @pytest.fixture(autouse=True)
 def no_stray_ranks():
-    """Every test must leave no rank process behind; one that does fails (and those it left
-    are killed: only processes this session started)."""
-    before = set(rank_pids())
+    """Every test must leave no rank process (nor a rank's watcher) behind; one that does
+    fails (and those it left are killed: only processes this session started)."""
+    before = set(rank_pids(" -m node "))
     yield
-    left = [p for p in rank_pids() if p not in before]
+    left = [p for p in rank_pids(" -m node ") if p not in before]
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)

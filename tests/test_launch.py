@@ -56,7 +56,7 @@ def test_default_command_uses_embedded_model():
     words = p.stdout.split()
     assert len(words) >= 10
     assert sum(w.strip(".,:;()\"'").isalpha() for w in words) >= len(words) // 2  # English-like
-    assert "starting 2 rank(s), pipeline mode, ring backend" in p.stderr
+    assert "starting 2 rank(s), ring backend, pipeline mode" in p.stderr
 
 
 @pytest.mark.e2e

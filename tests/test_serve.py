@@ -26,7 +26,10 @@ def free_port() -> int:
 
 
 class Served:
-    def __init__(self, model_dir, *args, env=None):
+    def __init__(self, model_dir, *args, env=None, address="127.0.0.1"):
+        """``address``: where rank 0 listens, as seen from here (with ``--host`` in args
+        when it is not 127.0.0.1)."""
+        self.address = address
         self.port = free_port()
         before = set(rank_pids())
         self.proc = subprocess.Popen(
@@ -46,11 +49,11 @@ class Served:
         self.pids = set(rank_pids()) - before
         threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
         self.client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0
+            base_url=f"http://{address}:{self.port}/v1", api_key="none", max_retries=0
         )
 
     def post(self, path: str, body: bytes, headers=None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn = http.client.HTTPConnection(self.address, self.port, timeout=60)
         conn.request("POST", path, body, {"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
         return response.status, json.loads(response.read() or b"null")
@@ -83,9 +86,9 @@ def chat_reference(model_dir, max_tokens: int) -> str:
     return reference(model_dir, PROMPT, max_tokens)  # the chat template, greedy
 
 
-def ask(client, max_tokens=16, **kw):
+def ask(client, max_tokens=16, model="m", **kw):
     return client.chat.completions.create(
-        model="m",
+        model=model,
         messages=[{"role": "user", "content": PROMPT}],
         max_tokens=max_tokens,
         **{"temperature": 0, **kw},

@@ -193,12 +193,14 @@ def test_sigstopped_rank_is_named_after_heartbeat_timeout(sshd, models, tmp_path
 @pytest.mark.parametrize("where", ["local", "ssh"])
 def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
     """Rank 0 gets our stdin as it is typed (chat needs it). The "python" here echoes exactly
-    the bytes we type, less the launcher's keepalives (the launcher keeps the pipe open after
-    our EOF and sends END_OF_INPUT, so `cat` would never end); the other rank exits."""
+    the bytes we type, less the launcher's keepalives, up to END_OF_INPUT (the launcher keeps
+    the pipe open after our EOF and sends END_OF_INPUT, so `cat` would never end); the other
+    rank exits."""
     import io
 
     from cluster.hostfile import load_hostfile
     from cluster.launcher import run_job
+    from cluster.protocol import END_OF_INPUT
     from cluster.spec import JobSpec
 
     typed = "first line\nzweite Zeile é\n".encode()
@@ -207,7 +209,7 @@ def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
         f"#!{sys.executable}\nimport os, sys\n"
         "if os.environ['MLX_RANK'] != '0':\n    sys.exit(0)\n"
         "got = b''\n"
-        f"while len(got) < {len(typed)} and (data := os.read(0, 65536)):\n"
+        "while not got.endswith(b'\\x04') and (data := os.read(0, 65536)):\n"
         "    got += data.replace(b'\\x16', b'')\n"
         "os.write(1, got)\n"
     )
@@ -227,7 +229,7 @@ def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
             stderr=io.StringIO(),
             stdin=stdin,
         )
-    assert out.getvalue() == typed
+    assert out.getvalue() == typed + END_OF_INPUT  # our EOF, as the launcher says it
 
 
 @pytest.mark.e2e
