@@ -146,6 +146,7 @@ def blank(config: Config, plan: BenchPlan) -> dict:
         "allsum_latency_s": None,
         "comm_s_per_token": None,
         "comm_share": None,
+        "predicted_generation_tps": None,
         "vs_single": None,
         "vs_mlx_lm": None,
     }
@@ -407,11 +408,23 @@ def add_ratios(rows: list[dict]) -> None:
             r["vs_single"] = _ratios(r, single)
             if r["impl"] == OURS and r["tokens_sha"] and single["tokens_sha"]:
                 r["same_tokens_as_single"] = r["tokens_sha"] == single["tokens_sha"]
+            r["predicted_generation_tps"] = predicted_generation_tps(r, single)
         theirs = ok.get((MLX_LM, r["mode"], r["ranks"])) or ok.get(
             (MLX_LAUNCH, r["mode"], r["ranks"])
         )
         if r["impl"] == OURS and theirs is not None:
             r["vs_mlx_lm"] = _ratios(r, theirs)
+
+
+def predicted_generation_tps(row: dict, single: dict) -> float | None:
+    """Decode tokens/s the link allows: one rank's time per token (tensor: split over the
+    ranks; pipeline: the stages run one after another, so all of it) plus, per token, the
+    collectives on its path times the all_sum latency measured in the same job."""
+    gen, comm = single["generation_tps"], row["comm_s_per_token"]
+    if not gen or not gen["median"] or comm is None:
+        return None
+    compute = 1 / gen["median"] / (row["ranks"] if row["mode"] == "tensor" else 1)
+    return 1 / (compute + comm)
 
 
 def _single_impl(impl: str) -> str:
@@ -489,6 +502,7 @@ TABLE_HEAD = (
     "first token s",
     "prefill tok/s",
     "generation tok/s",
+    "predicted gen tok/s",
     "gen vs 1 rank",
     "gen vs mlx-lm",
     "collectives/token",
@@ -517,6 +531,7 @@ def table(rows: list[dict]) -> str:
                 _fmt_spread(r["ttft_s"], 3),
                 _fmt_spread(r["prefill_tps"]),
                 _fmt_spread(r["generation_tps"]),
+                _fmt(r["predicted_generation_tps"], 1),
                 _fmt_ratio(r["vs_single"]),
                 _fmt_ratio(r["vs_mlx_lm"]),
                 "-" if r["collectives_per_token"] is None else str(r["collectives_per_token"]),
@@ -550,6 +565,7 @@ CSV_FIELDS = (
     "allsum_latency_s",
     "comm_s_per_token",
     "comm_share",
+    "predicted_generation_tps",
     "vs_single_prefill_tps",
     "vs_single_generation_tps",
     "vs_mlx_lm_prefill_tps",

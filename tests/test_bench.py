@@ -152,6 +152,9 @@ def test_ratios_come_from_the_same_run(sweep):
             assert math.isclose(
                 theirs["vs_single"][key], theirs[key]["median"] / their_single[key]["median"]
             )
+        share = 1 / (ours["ranks"] if mode == "tensor" else 1)
+        step = share / single["generation_tps"]["median"] + ours["comm_s_per_token"]
+        assert math.isclose(ours["predicted_generation_tps"], 1 / step)
         # mlx-lm reports n tokens over the time after the first; ours counts n-1
         for run in theirs["runs"]:
             want = run["generation_tps_reported"] * (GEN_TOKENS - 1) / GEN_TOKENS
@@ -320,3 +323,7 @@ def test_plan_helpers():
     assert rows[2]["vs_single"]["generation_tps"] == 0.5
     assert rows[2]["vs_mlx_lm"]["generation_tps"] == 2.0
     assert rows[4]["vs_single"]["generation_tps"] == 25.0 / 90.0  # mlx-lm's own 1 rank
+    assert rows[2]["predicted_generation_tps"] is None  # no collectives counted
+    rows[2]["comm_s_per_token"] = 0.005  # tensor on 2: half of 10 ms, plus 5 ms on the link
+    add_ratios(rows)
+    assert math.isclose(rows[2]["predicted_generation_tps"], 1 / (0.01 / 2 + 0.005))

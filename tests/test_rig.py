@@ -136,6 +136,28 @@ def test_bench_across_hosts(rig, models, tmp_path):
     assert not any(rig.rank_pids().values())
 
 
+def test_sync_into_each_hosts_own_model_dir_then_launch_from_the_copies(rig, models, tmp_path):
+    """3 hosts, each with its own model_dir: each gets its pipeline stage's files over its own
+    address, a second sync sends nothing, and the ranks load the copies."""
+    data = rig.hostfile(hosts=[1, 2, 3], over_cables=False)
+    for i, entry in enumerate(data["hosts"]):
+        entry["model_dir"] = str(tmp_path / f"host{i + 1}")
+    hostfile = tmp_path / "rig.yaml"
+    hostfile.write_text(yaml.safe_dump(data, sort_keys=False))
+    model = models["llama"]
+    p = run_cli("sync", "--hostfile", hostfile, "--model", model, "--json")
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert [h["host"] for h in report["hosts"]] == [f"{LAN}.{i}" for i in (1, 2, 3)], report
+    for i, host in enumerate(report["hosts"]):
+        assert host["error"] is None and host["bytes_sent"] > 0, host
+        copied = {f.name for f in (tmp_path / f"host{i + 1}" / "llama").iterdir()}
+        assert copied == {f["name"] for f in host["files"]}, (copied, host)
+    p = run_cli("sync", "--hostfile", hostfile, "--model", model, "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["bytes_sent"] == 0, p.stderr
+    launch_as_reference(str(hostfile), model)
+
+
 def test_doctor_links_names_the_slow_link(rig, tmp_path):
     """Over the LAN, host 3 two ms away: both of rank 2's links are named slow; every
     transfer and all_sum exact."""
