@@ -197,6 +197,10 @@ def run_wire(names: list[str], control_path: str, ready_fd: int) -> None:
     os.write(ready_fd, b"ok")
     os.close(ready_fd)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:  # the wire is the link: a frame must not wait for ranks that spin in a collective
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    except (OSError, AttributeError):
+        pass  # not root: the links are slower and noisier under load
     Wire(ports, control).run()
 
 
@@ -243,6 +247,9 @@ class Rig:
         entries = [
             {"ssh": h.address, "ips": h.cable_ips if over_cables else [h.address]} for h in chosen
         ]
+        # the hosts share this machine's cores: each rank's BLAS gets its share of them
+        threads = str(max(1, (os.cpu_count() or 1) // len(chosen)))
+        extra.setdefault("env", {}).setdefault("OPENBLAS_NUM_THREADS", threads)
         return {
             "backend": "ring",
             "python": python or sys.executable,
