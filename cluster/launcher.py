@@ -301,12 +301,14 @@ class RankWatch:
             self.launch.start_timeout,
             self.launch.stall_timeout,
         )
-        silent = silent_ranks(self.state, time.monotonic(), self.launch.heartbeat_timeout)
-        if late is not None and late.unresponsive and silent:
-            # a host that does not answer is marked lost: one bounded attempt to stop its rank
-            late = blame_unreachable(late, silent, self.probe_hosts(silent))
-        if late is not None:
-            self.fail(late)
+        if late is None:
+            return
+        if late.unresponsive:  # a silent rank's host is probed once (bounded); one that does
+            # not answer is marked lost: no signal is tried on it, its rank's watcher ends it
+            silent = silent_ranks(self.state, time.monotonic(), self.launch.heartbeat_timeout)
+            if silent:
+                late = blame_unreachable(late, silent, self.probe_hosts(silent))
+        self.fail(late)
 
     def probe_hosts(self, states: list[RankState]) -> dict[int, bool]:
         """rank -> whether its host answers a trivial command now, all asked at once."""

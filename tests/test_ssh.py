@@ -200,7 +200,7 @@ def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
 
     from cluster.hostfile import load_hostfile
     from cluster.launcher import run_job
-    from cluster.protocol import END_OF_INPUT
+    from cluster.protocol import END_OF_INPUT, KEEPALIVE
     from cluster.spec import JobSpec
 
     typed = "first line\nzweite Zeile é\n".encode()
@@ -209,8 +209,8 @@ def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
         f"#!{sys.executable}\nimport os, sys\n"
         "if os.environ['MLX_RANK'] != '0':\n    sys.exit(0)\n"
         "got = b''\n"
-        "while not got.endswith(b'\\x04') and (data := os.read(0, 65536)):\n"
-        "    got += data.replace(b'\\x16', b'')\n"
+        f"while not got.endswith({END_OF_INPUT!r}) and (data := os.read(0, 65536)):\n"
+        f"    got += data.replace({KEEPALIVE!r}, b'')\n"
         "os.write(1, got)\n"
     )
     fake.chmod(0o755)

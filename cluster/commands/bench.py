@@ -150,9 +150,9 @@ def bench(hostfile, backend, json_file, csv_file, plot_file, **values):
     load time, time from the job's start to its first token, peak memory per rank, the
     collectives each token needs and the all_sum latency at the activation size, the decode
     rate those predict (with the 1-rank row), and ratios against 1 rank and against mlx-lm's
-    own sharded run. The table goes to stdout, progress
-    to stderr. Exits 1 if one of mlx-cluster's configurations failed (a baseline that fails is
-    reported in its row). Method: docs/benchmarks.md.
+    own sharded run. The table goes to stdout, progress to stderr. Exits 1 if one of
+    mlx-cluster's configurations failed (a baseline that fails is reported in its row).
+    Method: docs/benchmarks.md.
 
     \b
     Examples:
