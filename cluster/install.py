@@ -3,7 +3,8 @@
 A host's python is the hostfile's (per host, else top level, else ``python3``). When that path
 does not exist yet and looks like a venv's (``.../bin/python``), the venv is made first. mlx and
 mlx-lm are pinned to the versions installed here, so that doctor finds the same everywhere; the
-hosts fetch the dependencies from their own package index.
+hosts fetch the dependencies from their own package index, or, with ``index_via_here``, from
+the index through this machine (``indexproxy``: for hosts with no internet).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 from .hostfile import Host, Hostfile
+from .indexproxy import IndexTunnels, forward_index
 from .process import rank_python
 
 PINNED = ("mlx", "mlx-lm")
@@ -35,6 +37,7 @@ class HostInstall:
     python: str
     action: str = ""  # installed, created venv and installed, skipped
     error: str | None = None
+    tunnels: IndexTunnels | None = None  # with index_via_here: what the host's pip opened
 
 
 def project_root() -> Path:
@@ -77,8 +80,16 @@ def tail(text: str, lines: int = 3) -> str:
     return " | ".join(kept[-lines:]) or "no output"
 
 
-def steps(python: str, wheel: str, base: str, system_site: bool, make_venv: bool) -> list[str]:
-    """The shell commands that install ``wheel`` for ``python`` on a host."""
+def steps(
+    python: str,
+    wheel: str,
+    base: str,
+    system_site: bool,
+    make_venv: bool,
+    proxy_port: int | None = None,
+) -> list[str]:
+    """The shell commands that install ``wheel`` for ``python`` on a host; its pip goes
+    through ``proxy_port`` on the host's 127.0.0.1 when given."""
     q = shlex.quote
     commands = []
     if make_venv:
@@ -86,6 +97,8 @@ def steps(python: str, wheel: str, base: str, system_site: bool, make_venv: bool
         flag = " --system-site-packages" if system_site else ""
         commands.append(f"{q(base)} -m venv{flag} {q(venv)}")
     pip = f"{q(python)} -m pip install -q --disable-pip-version-check"
+    if proxy_port is not None:
+        pip += f" --proxy http://127.0.0.1:{proxy_port}"
     commands.append(f"{pip} {q(wheel)} {' '.join(q(p) for p in pins())}")
     # the same version number with other code: our package alone, again, from this wheel
     commands.append(f"{pip} --no-deps --force-reinstall {q(wheel)}")
@@ -99,6 +112,7 @@ def install_host(
     base: str,
     system_site: bool,
     accept_new: bool,
+    index_via_here: bool = False,
 ) -> HostInstall:
     from .ssh import SSHError, host_shell
 
@@ -117,16 +131,27 @@ def install_host(
             wheels = f"{home}/.cache/mlx-cluster/wheels"
             shell.run(f"mkdir -p {shlex.quote(wheels)}")
             shell.put(wheel, f"{wheels}/{wheel.name}")
-            for command in steps(python, f"{wheels}/{wheel.name}", base, system_site, make_venv):
+            port = None
+            if index_via_here and shell.client is not None:
+                result.tunnels = IndexTunnels()
+                port = forward_index(shell.client.get_transport(), result.tunnels)
+            where = f"{wheels}/{wheel.name}"
+            for command in steps(python, where, base, system_site, make_venv, port):
                 status, _, err = shell.run(command, timeout=1800)
                 if status != 0:
-                    raise InstallError(f"`{command}` failed: {tail(err)}")
+                    raise InstallError(f"`{command}` failed: {tail(err)}{_refusals(result)}")
         result.action = "created venv, installed" if make_venv else "installed"
     except SSHError as e:
         result.error = str(e).removeprefix(f"{host.label}: ")
     except InstallError as e:
         result.error = str(e)
     return result
+
+
+def _refusals(result: HostInstall) -> str:
+    if result.tunnels is None or not result.tunnels.refused:
+        return ""
+    return f" (this machine refused: {'; '.join(sorted(set(result.tunnels.refused)))})"
 
 
 def _needs_venv(exists: bool, python: str) -> bool:
@@ -141,14 +166,20 @@ def _needs_venv(exists: bool, python: str) -> bool:
 
 
 def run_install(
-    hostfile: Hostfile, base: str, system_site: bool, accept_new: bool
+    hostfile: Hostfile,
+    base: str,
+    system_site: bool,
+    accept_new: bool,
+    index_via_here: bool = False,
 ) -> list[HostInstall]:
     with tempfile.TemporaryDirectory(prefix="mlx-cluster-wheel-") as tmp:
         wheel = build_wheel(Path(tmp))
         with ThreadPoolExecutor(max_workers=min(8, len(hostfile.hosts))) as pool:
             return list(
                 pool.map(
-                    lambda h: install_host(hostfile, h, wheel, base, system_site, accept_new),
+                    lambda h: install_host(
+                        hostfile, h, wheel, base, system_site, accept_new, index_via_here
+                    ),
                     hostfile.hosts,
                 )
             )

@@ -415,20 +415,37 @@ def hostfile_discover(
     is_flag=True,
     help="Let a venv that install makes see the base interpreter's packages.",
 )
-def install(hostfile, num_ranks, backend, accept_new_host_keys, python_base, system_site_packages):
+@click.option(
+    "--index-via-here",
+    is_flag=True,
+    help="For hosts with no internet of their own (a Mac on a Thunderbolt cable only): their "
+    "pip reaches the package index through this machine, over the install's SSH session "
+    "(a proxy that opens only port 443 of pypi.org and files.pythonhosted.org).",
+)
+def install(
+    hostfile,
+    num_ranks,
+    backend,
+    accept_new_host_keys,
+    python_base,
+    system_site_packages,
+    index_via_here,
+):
     """Install this checkout of mlx-cluster on every host, then check versions with doctor.
 
     Builds a wheel here, copies it to each host over SFTP and installs it with the host's
     python (the hostfile's `python:`, per host or for all; else python3). When that python is a
     venv path that does not exist yet (e.g. /Users/me/mlx/bin/python), the venv is made first
     with --python-base. mlx and mlx-lm are pinned to this machine's versions; the hosts fetch
-    dependencies from their package index. This machine's own python is left alone.
+    dependencies from their package index (through this machine with --index-via-here). This
+    machine's own python is left alone.
 
     Exits 1 when a host failed or doctor finds versions that differ.
 
     \b
     Example:
       mlx-cluster install --hostfile rig.yaml
+      mlx-cluster install --hostfile rig.yaml --index-via-here   # hosts with no internet
     """
     from ..doctor import diagnose
     from ..install import InstallError, run_install
@@ -436,7 +453,9 @@ def install(hostfile, num_ranks, backend, accept_new_host_keys, python_base, sys
     hf = resolve_hostfile(hostfile, num_ranks, backend)
     click.echo("mlx-cluster: building the wheel and installing it on every host", err=True)
     try:
-        results = run_install(hf, python_base, system_site_packages, accept_new_host_keys)
+        results = run_install(
+            hf, python_base, system_site_packages, accept_new_host_keys, index_via_here
+        )
     except InstallError as e:
         click.echo(f"mlx-cluster: {e}", err=True)
         sys.exit(1)
@@ -446,7 +465,10 @@ def install(hostfile, num_ranks, backend, accept_new_host_keys, python_base, sys
             failed = True
             click.echo(f"{r.host.label}: FAILED: {r.error}")
         else:
-            click.echo(f"{r.host.label}: {r.action} for {r.python}")
+            via = ""
+            if r.tunnels is not None:
+                via = f" (its pip opened {r.tunnels.opened} connection(s) to the index via here)"
+            click.echo(f"{r.host.label}: {r.action} for {r.python}{via}")
     reports = diagnose(hf, accept_new=accept_new_host_keys)
     for report in reports:
         versions = (report.probe or {}).get("packages") or {}
