@@ -15,9 +15,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from .backends import port_in_use, rank_envs, ring_ports
 from .hostfile import Hostfile, rank_model_path, split_weights
@@ -51,6 +52,7 @@ from .protocol import (
     KEEPALIVE_S,
     AwaitingInput,
     Error,
+    Event,
     Ready,
     decode_event,
 )
@@ -58,11 +60,25 @@ from .spec import JobSpec, LaunchSettings
 
 
 class LaunchError(RuntimeError):
-    """The job could not start or did not finish; the message is for the user."""
+    """The job could not start or did not finish; the message is for the user.
+    ``lost_hosts``: hostfile indices of hosts that stopped answering (serve leaves them out)."""
 
-    def __init__(self, message: str, exit_code: int = 1):
+    def __init__(self, message: str, exit_code: int = 1, lost_hosts: list[int] | None = None):
         super().__init__(message)
         self.exit_code = exit_code
+        self.lost_hosts = lost_hosts or []
+
+
+class JobLink(Protocol):
+    """What a caller that talks to a running job gets (serve's cluster.serving.Service)."""
+
+    def attach(self, send: Callable[[bytes], None], state: JobState) -> None:
+        """The ranks started; ``send`` writes to rank 0's channel."""
+
+    def on_event(self, rank: int, event: Event) -> None: ...
+
+    def draining(self) -> None:
+        """The user asked for a drain (SIGINT/SIGTERM): refuse new requests."""
 
 
 class Interrupted(BaseException):
@@ -196,8 +212,10 @@ class RankWatch:
         stderr: IO[str],
         started: float,
         stdin: IO[bytes] | None = None,
+        link: JobLink | None = None,
     ):
         self.stdin = stdin
+        self.link = link
         self.ranks = ranks
         self.launch = launch
         self.stdout = stdout
@@ -236,6 +254,8 @@ class RankWatch:
                 target=_forward_stdin, args=(self.stdin, self.ranks[0]), daemon=True
             ).start()
         threading.Thread(target=self.keep_alive, daemon=True, name="keepalive").start()
+        if self.link is not None:
+            self.link.attach(self.ranks[0].write_stdin, self.state)
         running = len(self.ranks)
         while running:
             try:
@@ -286,6 +306,8 @@ class RankWatch:
             return
         for say in on_event(self.state, state.rank, event, self.elapsed()):
             log(self.stderr, say.text)
+        if self.link is not None:
+            self.link.on_event(state.rank, event)
         if isinstance(event, AwaitingInput) and _isatty(self.stdin):
             self.stderr.write(">>> ")
             self.stderr.flush()
@@ -327,8 +349,11 @@ class RankWatch:
     def fail(self, state: RankState) -> None:
         self.stop_all()
         first = culprit(state, self.state.ranks)
+        lost = sorted({r.host.index for r in self.ranks if r.lost})
         raise LaunchError(
-            failure_report(first, self.state.ranks), exit_code=2 if first.bad_model else 1
+            failure_report(first, self.state.ranks),
+            exit_code=2 if first.bad_model else 1,
+            lost_hosts=lost,
         )
 
     def stop_all(self) -> None:
@@ -344,8 +369,10 @@ def run_job(
     stderr: IO[str] | None = None,
     started: float | None = None,
     stdin: IO[bytes] | None = None,
+    link: JobLink | None = None,
 ) -> JobResult:
-    """Run the job to the end; raises LaunchError (with an exit code) on any failure."""
+    """Run the job to the end; raises LaunchError (with an exit code) on any failure.
+    ``link`` (serve) is told when the ranks start and end, and gets every event."""
     launch = launch or LaunchSettings()
     stdout = stdout or sys.stdout.buffer
     stdin = stdin or sys.stdin.buffer
@@ -382,6 +409,8 @@ def run_job(
     def drain() -> bool:
         """Serve: rank 0 finishes the answers under way, then every rank quits. While the
         ranks are still starting there is nothing to drain: the signal stops the job."""
+        if link is not None:
+            link.draining()
         if watch is None or not watch.state.all_ready:
             return False
         note = (
@@ -401,7 +430,7 @@ def run_job(
         previous = trap_signals()
     try:
         ranks, clients = open_ranks(hostfile, launches, job_dir, launch.accept_new_host_keys)
-        watch = RankWatch(ranks, spec.command, launch, stdout, stderr, started, stdin)
+        watch = RankWatch(ranks, spec.command, launch, stdout, stderr, started, stdin, link)
         what = f"{spec.mode} mode, model {spec.model}" if spec.model else "to measure the links"
         log(stderr, f"starting {len(ranks)} rank(s), {hostfile.backend} backend, {what}")
         if split:

@@ -19,6 +19,8 @@ EVENT_PREFIX = "\x1emlx-cluster "
 CANCEL = b"\x03"  # launcher -> rank 0's stdin: Ctrl-C in chat, end the current answer
 # launcher -> rank 0's stdin: no more input, finish and quit. Chat: our stdin reached EOF (the
 # pipe stays open, so a later Ctrl-C's CANCEL still arrives); serve: SIGINT/SIGTERM, drain.
+# Serve's requests travel on the same channel as JSON lines (cluster.spec.ServeRequest); JSON
+# escapes every control byte, so none of these can occur inside one.
 END_OF_INPUT = b"\x04"
 # launcher -> every rank's stdin, once a second: the launcher is still there (node.watchdog)
 KEEPALIVE = b"\x16"
@@ -65,6 +67,36 @@ class Stats:
     usage: dict[str, Any]
     timings: dict[str, Any]
     time_to_first_token_s: float | None = None
+    request: str | None = None  # serve: the id of the request it ends
+
+
+@dataclass
+class Serving:
+    """Serve: rank 0 takes requests now (every rank loaded and in its serve loop)."""
+
+    kind = "serving"
+    model: str  # the id answers name
+    batched: bool
+
+
+@dataclass
+class Piece:
+    """Serve: the next text of one request's answer."""
+
+    kind = "piece"
+    request: str
+    text: str
+
+
+@dataclass
+class Refused:
+    """Serve: a request rank 0 cannot take (found with the tokenizer: a template that does not
+    render, an empty prompt); the API answers it with this status."""
+
+    kind = "refused"
+    request: str
+    status: int
+    message: str
 
 
 @dataclass
@@ -136,6 +168,9 @@ Event = (
     | Ready
     | FirstToken
     | Stats
+    | Serving
+    | Piece
+    | Refused
     | Memory
     | Notice
     | AwaitingInput

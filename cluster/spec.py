@@ -59,15 +59,32 @@ class Request:
 
 @dataclass
 class ServeSettings:
-    """``serve``: where rank 0 listens and how it batches."""
+    """``serve``: where the launcher's API listens, how rank 0 batches, how failures restart."""
 
     host: str = "127.0.0.1"
     port: int = 8080
-    api_key: str | None = None  # travels only in rank 0's spec file (mode 0600), never argv
+    api_key: str | None = None  # stays in the launcher's process: never in argv or a rank's spec
     drain_timeout: float = 30.0  # on SIGINT/SIGTERM, the longest wait for answers under way
+    max_restarts: int = 3  # restarts of the ranks within restart_window_s; past it, serve exits
+    restart_window_s: float = 600.0
+    restart_wait: float = 120.0  # longest a request waits for ranks that (re)start: then 503
     decode_concurrency: int = 32  # most requests decoded together
     prompt_concurrency: int = 8  # most prompts prefilled together
     prompt_cache_size: int = 10  # finished answers whose caches every rank keeps (0: none)
+
+
+@dataclass
+class ServeRequest:
+    """One API request as rank 0 gets it (a JSON line on its channel): the launcher parsed
+    the OpenAI body; rank 0 tokenizes and schedules it."""
+
+    id: str
+    kind: str  # "chat" (messages through the chat template) or "completion" (prompt)
+    sampling: Sampling
+    template: Template = field(default_factory=Template)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    prompt: str = ""
+    seeded: bool = False  # decoded alone: its tokens depend on the random state
 
 
 @dataclass
@@ -107,10 +124,12 @@ class JobSpec:
         return from_dict(cls, json.loads(text))
 
     def for_rank(self, rank: int, **changes: Any) -> JobSpec:
-        """This job as one rank sees it: the request and serve settings go only to rank 0."""
+        """This job as one rank sees it: the request and serve settings go only to rank 0,
+        and the API key to none (the launcher serves the API)."""
         if rank != 0:
             changes.setdefault("request", Request())
             changes.setdefault("serve", ServeSettings())
+        changes.setdefault("serve", dataclasses.replace(self.serve, api_key=None))
         return dataclasses.replace(self, **changes)
 
 

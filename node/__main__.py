@@ -86,7 +86,7 @@ def run(spec: JobSpec) -> None:
     if command == "serve":
         from .serve import run_serve
 
-        run_serve(loaded, group, spec, emit)
+        run_serve(loaded, group, spec, emit, log)
         return
     if command == "bench":
         from .bench import run_bench

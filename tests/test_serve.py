@@ -259,7 +259,10 @@ def test_health_names_every_rank(server):
     conn.request("GET", "/health")
     health = json.loads(conn.getresponse().read())
     assert health["status"] == "ok" and health["ranks"] == health["ranks_up"] == 2
-    assert health["mode"] == "pipeline" and health["last_contact_s"] < 60
+    assert health["mode"] == "pipeline" and health["hosts"] == health["hosts_in_hostfile"] == 1
+    assert [r["rank"] for r in health["rank_states"]] == [0, 1]
+    assert all(r["heartbeat_age_s"] < 5 for r in health["rank_states"]), health
+    assert health["restarts"] == 0 and health["last_failure"] is None
 
 
 @pytest.mark.e2e

@@ -322,7 +322,7 @@ SERVE = {  # ServeSettings
         "--host",
         default=default(ServeSettings, "host"),
         show_default=True,
-        help="Address rank 0 listens on (0.0.0.0 opens it to the network).",
+        help="Address the API listens on, on this machine (0.0.0.0 opens it to the network).",
     ),
     "port": click.option(
         "--port",
@@ -366,6 +366,30 @@ SERVE = {  # ServeSettings
         show_default=True,
         help="On Ctrl-C or SIGTERM, the longest wait (s) for answers under way before they are "
         "cut.",
+    ),
+    "max_restarts": click.option(
+        "--max-restarts",
+        type=click.IntRange(min=0),
+        default=default(ServeSettings, "max_restarts"),
+        show_default=True,
+        help="Restarts of the ranks allowed within --restart-window; one more failure ends "
+        "serve (exit 1). 0: the first failure ends it.",
+    ),
+    "restart_window_s": click.option(
+        "--restart-window",
+        "restart_window_s",
+        type=click.FloatRange(min=1),
+        default=default(ServeSettings, "restart_window_s"),
+        show_default=True,
+        help="Seconds over which --max-restarts counts failures.",
+    ),
+    "restart_wait": click.option(
+        "--restart-wait",
+        type=click.FloatRange(min=0),
+        default=default(ServeSettings, "restart_wait"),
+        show_default=True,
+        help="Longest a request waits (s) for the ranks to start or restart; then 503 with "
+        "Retry-After.",
     ),
 }
 OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE}

@@ -20,6 +20,7 @@ from ..spec import (
     pick,
 )
 from .options import (
+    STARTED,
     job_options,
     model_or_default,
     read_image,
@@ -169,15 +170,26 @@ def chat(prompt_cache_gb, **values):
     "prompt_concurrency",
     "prompt_cache_size",
     "drain_timeout",
+    "max_restarts",
+    "restart_window_s",
+    "restart_wait",
 )
 def serve(**values):
-    """Serve the model with an OpenAI-compatible API on rank 0 until Ctrl-C.
+    """Serve the model with an OpenAI-compatible API until Ctrl-C; the API outlives the ranks.
 
-    Endpoints: GET /v1/models, GET /health, POST /v1/chat/completions and /v1/completions
-    (streaming with SSE, or not). Concurrent requests are decoded together as one batch, in
-    lockstep on every rank (continuous batching: a request joins or leaves between steps); a
-    request with a seed, or a model whose caches cannot be batched, is decoded alone. A client
-    that disconnects mid-stream cancels its answer on every rank.
+    Endpoints: GET /v1/models, /health, /metrics (Prometheus), POST /v1/chat/completions and
+    /v1/completions (streaming with SSE, or not). The API runs in this process, on this
+    machine; rank 0 gets each request over the job's own channel. Concurrent requests are
+    decoded together as one batch, in lockstep on every rank (continuous batching); a request
+    with a seed, or a model whose caches cannot be batched, is decoded alone. A client that
+    disconnects cancels its answer on every rank.
+
+    When a rank fails (it exits, its host is lost, it stops beating, a collective stalls),
+    every rank is stopped and the job starts again, without a lost host when the model fits in
+    the memory_gb of the others (/health: degraded). Requests wait for the ranks (at most
+    --restart-wait, then 503 with Retry-After) and the ones rank 0 was answering are decoded
+    again, except a stream that already sent text: it ends with an error event and [DONE].
+    More than --max-restarts failures within --restart-window: exit 1, each failure named.
 
     Ctrl-C or SIGTERM drains: new requests get 503, answers under way finish (cut after
     --drain-timeout), then every rank exits (exit 0). A second Ctrl-C stops at once (exit 130).
@@ -186,6 +198,9 @@ def serve(**values):
     Examples:
       mlx-cluster serve --model ./my-model --port 8080
       OPENAI_BASE_URL=http://127.0.0.1:8080/v1 OPENAI_API_KEY=none python my_client.py
+      curl -s 127.0.0.1:8080/health; curl -s 127.0.0.1:8080/metrics
     """
+    from ..serving import serve_until_done
+
     hf, settings = hosts_and_launch(values)
-    run_or_exit(hf, job_spec("serve", values), settings)
+    sys.exit(serve_until_done(hf, job_spec("serve", values), settings, started=STARTED))

@@ -1,0 +1,77 @@
+"""`serve`'s /metrics in Prometheus' text format (prometheus_client, one registry per server).
+
+Counters and histograms are updated as requests end; the per-rank gauges (peak memory,
+heartbeat age) are read from the running job's state at each scrape.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self, ranks: Callable[[], list]):
+        """``ranks``: the running job's RankStates (empty while none runs)."""
+        self.ranks = ranks
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "mlx_cluster_requests", "API requests by how they ended (HTTP status, or "
+            "stream_error: a stream cut by a failure of the ranks)", ["status"], registry=r
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "mlx_cluster_prompt_tokens", "Prompt tokens of answered requests", registry=r
+        )
+        self.completion_tokens = Counter(
+            "mlx_cluster_completion_tokens", "Generated tokens of answered requests", registry=r
+        )
+        self.ttft = Histogram(
+            "mlx_cluster_time_to_first_token_seconds",
+            "From the request's arrival to its first text",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.token_latency = Histogram(
+            "mlx_cluster_time_per_output_token_seconds",
+            "Time between two pieces of text of one answer",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.restarts = Counter(
+            "mlx_cluster_restarts", "Restarts of the ranks after a failure", registry=r
+        )
+        self.queued = Gauge(
+            "mlx_cluster_requests_waiting", "Requests waiting for the ranks", registry=r
+        )
+        self.peak_memory = Gauge(
+            "mlx_cluster_rank_peak_memory_bytes", "Each rank's peak memory (MLX)",
+            ["rank", "host"], registry=r,
+        )  # fmt: skip
+        self.heartbeat_age = Gauge(
+            "mlx_cluster_rank_heartbeat_age_seconds", "Since each rank was last heard from",
+            ["rank", "host"], registry=r,
+        )  # fmt: skip
+        self.content_type = CONTENT_TYPE_LATEST
+
+    def finished(self, status: int | str) -> None:
+        self.requests.labels(status=str(status)).inc()
+
+    def answered(self, usage: dict) -> None:
+        self.finished(200)
+        self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+        self.completion_tokens.inc(usage.get("completion_tokens", 0))
+
+    def exposition(self) -> bytes:
+        self.peak_memory.clear()
+        self.heartbeat_age.clear()
+        now = time.monotonic()
+        for s in self.ranks():
+            labels = {"rank": str(s.rank), "host": s.host}
+            if s.peak_memory_gb is not None:
+                self.peak_memory.labels(**labels).set(s.peak_memory_gb * 1e9)
+            if s.exit_code is None and s.last_seen:
+                self.heartbeat_age.labels(**labels).set(round(now - s.last_seen, 3))
+        return generate_latest(self.registry)

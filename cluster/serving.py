@@ -1,0 +1,464 @@
+"""`serve` that outlives its ranks: the API (cluster/api.py) runs in this process, the ranks run
+as a job (cluster/launcher.py), and a failed job is started again.
+
+Requests wait in ``pending`` while no job is ready (at start, during a restart); a ready rank 0
+gets each one as a JSON line on its channel and answers with events (node/serve.py). When the
+job fails, what rank 0 was answering is decided here: a request whose client has seen nothing
+yet (any non-streaming one, a stream before its first text) is decoded again after the
+restart; a stream under way ends with an error event and ``[DONE]`` (its tokens are not
+resumed: a sampled answer could not be reproduced, and a greedy one may differ after a
+re-plan). A request waits at most ``restart_wait`` for ranks, then gets 503 with Retry-After.
+
+A host that stopped answering is left out of the restarted job when the model fits in the
+``memory_gb`` of the hosts left (``/health`` then says degraded); otherwise the restart waits
+for it with backoff. More than ``max_restarts`` failures within ``restart_window_s`` end
+``serve`` with exit 1 and each failure named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import queue
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from .api import END, RESTART, Api, ApiRequest, RequestError
+from .hostfile import Host, Hostfile
+from .jobstate import JobState
+from .launcher import Interrupted, LaunchError, log, restore_signals, run_job, trap_signals
+from .metrics import Metrics
+from .modelcheck import ModelError
+from .protocol import Event, Piece, Refused, Serving, Stats
+from .spec import JobSpec, LaunchSettings, to_dict
+
+REAP_EVERY_S = 0.25
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # waits for a lost host to answer again
+
+
+@dataclass
+class Failure:
+    at: float  # time.time()
+    message: str  # the launcher's report, first line
+    back_after_s: float | None = None  # until the ranks served again
+
+
+@dataclass
+class Flight:
+    """A request rank 0 has, from the line sent to its end."""
+
+    job: ApiRequest
+    shown: bool = False  # text reached the client's queue
+    last: float = 0.0  # when the last text came
+    gone: bool = False  # the client left; its end is dropped
+
+
+class Service:
+    """The requests, the running job's channel and what /health and /metrics say."""
+
+    def __init__(self, hostfile: Hostfile, spec: JobSpec, stderr: IO[str]):
+        local = Path(spec.model).expanduser()
+        self.model_id = local.name if local.exists() else spec.model
+        self.spec = spec
+        self.settings = spec.serve
+        self.stderr = stderr
+        self.hosts_total = len(hostfile.hosts)
+        self.hostfile = hostfile  # the hosts of the current job
+        self.lock = threading.Lock()
+        self.pending: deque[ApiRequest] = deque()
+        self.waiting_since: dict[str, float] = {}
+        self.inflight: dict[str, Flight] = {}
+        self.outbox: queue.Queue[bytes | None] | None = None
+        self.state: JobState | None = None
+        self.ready = False
+        self.draining_now = False
+        self.closed = False
+        self.failures: list[Failure] = []
+        self.failed_at: float | None = None
+        self.metrics = Metrics(lambda: list(self.state.ranks) if self.state else [])
+        threading.Thread(target=self.reap, daemon=True, name="reaper").start()
+
+    # the API's side
+
+    def model_ids(self) -> set[str]:
+        return {self.model_id, self.spec.model}
+
+    def submit(self, job: ApiRequest) -> None:
+        with self.lock:
+            if self.draining_now or self.closed:
+                self.refuse(job, RequestError(503, "the server is shutting down", "server_error"))
+            elif self.ready:
+                self.send(job)
+            else:
+                self.pending.append(job)
+                self.waiting_since[job.id] = time.monotonic()
+                self.metrics.queued.set(len(self.pending))
+
+    def cancel(self, job: ApiRequest) -> None:
+        """The client went away: rank 0 drops its request at its next round."""
+        with self.lock:
+            if job in self.pending:
+                self.pending.remove(job)
+                self.metrics.queued.set(len(self.pending))
+            flight = self.inflight.get(job.id)
+            if flight is not None and not flight.gone:
+                flight.gone = True
+                self.write({"op": "cancel", "id": job.id})
+            self.metrics.finished("cancelled")
+
+    def health(self) -> dict:
+        with self.lock:
+            if self.draining_now:
+                status = "draining"
+            elif self.ready:
+                status = "degraded" if len(self.hostfile.hosts) < self.hosts_total else "ok"
+            else:
+                status = "restarting" if self.failures else "starting"
+            now = time.monotonic()
+            ranks = [
+                {
+                    "rank": s.rank,
+                    "host": s.host,
+                    "phase": s.phase if s.exit_code is None else f"exited {s.exit_code}",
+                    "heartbeat_age_s": round(now - s.last_seen, 3) if s.last_seen else None,
+                    "peak_memory_gb": s.peak_memory_gb,
+                }
+                for s in (self.state.ranks if self.state else [])
+            ]
+            last = self.failures[-1] if self.failures else None
+            return {
+                "status": status,
+                "model": self.model_id,
+                "mode": self.spec.mode,
+                "ranks": len(ranks),
+                "ranks_up": sum(1 for r in ranks if r["phase"] in ("ready", "generating")),
+                "hosts": len(self.hostfile.hosts),
+                "hosts_in_hostfile": self.hosts_total,
+                "rank_states": ranks,
+                "restarts": len(self.failures),
+                "last_failure": dataclasses.asdict(last) if last else None,
+                "waiting": len(self.pending),
+                "in_flight": len(self.inflight),
+            }
+
+    # the job's side (cluster.launcher.JobLink)
+
+    def attach(self, send, state: JobState) -> None:
+        outbox: queue.Queue[bytes | None] = queue.Queue()
+
+        def pump() -> None:
+            while (line := outbox.get()) is not None:
+                try:
+                    send(line)
+                except (OSError, ValueError, EOFError, AttributeError):
+                    return  # rank 0 is gone: the launcher reports it and the job ends
+
+        threading.Thread(target=pump, daemon=True, name="to-rank0").start()
+        with self.lock:
+            self.outbox, self.state = outbox, state
+
+    def draining(self) -> None:
+        with self.lock:
+            self.draining_now = True
+
+    def on_event(self, rank: int, event: Event) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if isinstance(event, Serving):
+                self.became_ready(event, now)
+                return
+            flight = self.inflight.get(getattr(event, "request", None) or "")
+            if flight is None:
+                return
+            job = flight.job
+            if isinstance(event, Piece):
+                if not flight.shown:
+                    self.metrics.ttft.observe(now - job.arrived)
+                else:
+                    self.metrics.token_latency.observe(now - flight.last)
+                flight.shown, flight.last = True, now
+                job.chunks.put(event.text)
+            elif isinstance(event, Stats):
+                del self.inflight[job.id]
+                job.result = to_dict(event)
+                job.chunks.put(END)
+                if not flight.gone:
+                    self.metrics.answered(event.usage)
+            elif isinstance(event, Refused):
+                del self.inflight[job.id]
+                self.refuse(job, RequestError(event.status, event.message))
+
+    def became_ready(self, event: Serving, now: float) -> None:
+        self.ready = True
+        how = "batched" if event.batched else "one request at a time (its caches cannot be batched)"
+        back = ""
+        if self.failed_at is not None:
+            self.failures[-1].back_after_s = round(now - self.failed_at, 2)
+            back = f"; back {now - self.failed_at:.1f} s after the failure"
+            self.failed_at = None
+        hosts = len(self.hostfile.hosts)
+        fewer = (
+            f", degraded: {hosts} of {self.hosts_total} hosts" if hosts < self.hosts_total else ""
+        )
+        log(self.stderr, f"serving {self.model_id}, {how}{fewer}{back}")
+        while self.pending:
+            self.send(self.pending.popleft())
+        self.waiting_since.clear()
+        self.metrics.queued.set(0)
+
+    # the supervisor's side
+
+    def job_ended(self, error: LaunchError | None) -> None:
+        """The ranks are all stopped: decide the fate of what rank 0 held."""
+        with self.lock:
+            self.ready = False
+            if self.outbox is not None:
+                self.outbox.put(None)
+            self.outbox = None
+            if error is None:
+                return
+            self.failed_at = time.monotonic()
+            again = []
+            for flight in self.inflight.values():
+                job = flight.job
+                if flight.gone:
+                    continue
+                if job.stream and flight.shown:
+                    why = first_line(error) or "the ranks failed"
+                    job.chunks.put(
+                        RequestError(
+                            502,
+                            f"the answer was cut: {why}; the ranks restart; send the request again",
+                            "server_error",
+                        )  # fmt: skip
+                    )
+                    self.metrics.finished("stream_error")
+                    continue
+                if flight.shown:
+                    job.chunks.put(RESTART)
+                again.append(job)
+            self.inflight.clear()
+            now = time.monotonic()
+            for job in reversed(again):  # first in line, in their order of arrival
+                self.pending.appendleft(job)
+                self.waiting_since[job.id] = now
+            self.metrics.queued.set(len(self.pending))
+
+    def close(self, why: str) -> None:
+        """No more jobs: whatever waits gets 503."""
+        with self.lock:
+            self.closed = True
+            for job in self.pending:
+                self.refuse(job, RequestError(503, why, "server_error"))
+            self.pending.clear()
+            for flight in self.inflight.values():
+                self.refuse(flight.job, RequestError(503, why, "server_error"))
+            self.inflight.clear()
+
+    def reap(self) -> None:
+        """Requests past the restart wait get 503 with Retry-After."""
+        while True:
+            time.sleep(REAP_EVERY_S)
+            now = time.monotonic()
+            with self.lock:
+                late = [
+                    j
+                    for j in self.pending
+                    if now - self.waiting_since.get(j.id, now) > self.settings.restart_wait
+                ]
+                for job in late:
+                    self.pending.remove(job)
+                    status = "restarting" if self.failures else "starting"
+                    message = (
+                        f"the ranks are not ready after {self.settings.restart_wait:g} s "
+                        f"({status}); retry later"
+                    )
+                    self.refuse(job, RequestError(503, message, "server_error", retry_after=10))
+                if late:
+                    self.metrics.queued.set(len(self.pending))
+
+    # helpers, called with the lock held
+
+    def send(self, job: ApiRequest) -> None:
+        self.inflight[job.id] = Flight(job)
+        self.write({"op": "request", "request": to_dict(job.to_rank0())})
+
+    def write(self, message: dict) -> None:
+        if self.outbox is not None:
+            self.outbox.put(json.dumps(message).encode() + b"\n")
+
+    def refuse(self, job: ApiRequest, e: RequestError) -> None:
+        job.chunks.put(e)
+        self.metrics.finished(e.status)
+
+
+def first_line(error: LaunchError) -> str:
+    lines = [x for x in str(error).splitlines() if x.strip()]
+    return lines[0].removeprefix("error: ") if lines else ""
+
+
+def without_hosts(hostfile: Hostfile, lost: list[int]) -> Hostfile:
+    """The hostfile minus the lost hosts (each keeps its index, so logs still name it)."""
+    return dataclasses.replace(hostfile, hosts=[h for h in hostfile.hosts if h.index not in lost])
+
+
+def fits(hostfile: Hostfile, spec: JobSpec) -> str | None:
+    """None when the model's weights fit the hosts' memory_gb, else why not (or why that
+    cannot be known here)."""
+    from .doctor import model_shares
+
+    if not hostfile.hosts:
+        return "no host is left"
+    unknown = [h.label for h in hostfile.hosts if not h.memory_gb]
+    if unknown:
+        return f"the hostfile gives no memory_gb for {', '.join(unknown)}"
+    if not Path(spec.model).expanduser().exists():
+        return f"the model {spec.model} is not on this machine to measure"
+    try:
+        shares = model_shares(spec.model, spec.mode, hostfile, spec.split)
+    except (ModelError, ValueError) as e:
+        return str(e)
+    hosts = hostfile.rank_hosts()
+    for rank, share in shares.items():
+        budget = hosts[rank].memory_gb / hosts[rank].slots * 1e9
+        if share > budget:
+            return (
+                f"rank {rank} on {hosts[rank].label} would hold {share / 1e9:.1f} GB of "
+                f"weights, over its {budget / 1e9:.1f} GB"
+            )
+    return None
+
+
+def host_answers(hostfile: Hostfile, host: Host, accept_new: bool) -> bool:
+    if host.is_local:
+        return True
+    from .ssh import SSHError, connect, run
+
+    try:
+        client = connect(host, hostfile, accept_new)
+    except SSHError:
+        return False
+    try:
+        return run(client, "true", timeout=5.0)[0] == 0
+    except (TimeoutError, OSError, EOFError):
+        return False
+    finally:
+        client.close()
+
+
+class Restarts:
+    """How many failures the window still allows."""
+
+    def __init__(self, most: int, window_s: float):
+        self.most, self.window_s = most, window_s
+        self.times: list[float] = []
+
+    def allow(self, now: float) -> bool:
+        self.times = [t for t in self.times if now - t < self.window_s] + [now]
+        return len(self.times) <= self.most
+
+
+def serve_until_done(
+    hostfile: Hostfile,
+    spec: JobSpec,
+    launch: LaunchSettings,
+    started: float | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """The API up until the user stops it; the ranks (re)started under it. The exit code."""
+    stderr = stderr or sys.stderr
+    settings = spec.serve
+    service = Service(hostfile, spec, stderr)
+    try:
+        api = Api(settings.host, settings.port, settings.api_key, service)
+    except OSError as e:
+        log(stderr, f"cannot listen on {settings.host}:{settings.port} ({e.strerror}); "
+                    "pass another --port")  # fmt: skip
+        return 2
+    api.start()
+    host, port = api.address
+    log(stderr, f"API on http://{host}:{port}/v1 (requests wait until the ranks are ready)")
+    restarts = Restarts(settings.max_restarts, settings.restart_window_s)
+    previous = trap_signals()  # between jobs a signal ends serve; a job traps its own
+    current = hostfile
+    code = 0
+    why = "the server is shutting down"
+    try:
+        while True:
+            service.hostfile = current
+            try:
+                run_job(current, spec, launch, started=started, stderr=stderr, link=service)
+                error = None
+                if not service.draining_now:
+                    error = LaunchError("error: rank 0 ended the job without being asked to")
+            except LaunchError as e:
+                error = e
+            service.job_ended(error)
+            started = None
+            if error is None:
+                return 0
+            if error.exit_code >= 128 or (error.exit_code == 2 and not service.failures):
+                if str(error):
+                    stderr.write(f"{error}\n")
+                code = error.exit_code
+                return code
+            service.failures.append(Failure(time.time(), first_line(error)))
+            service.metrics.restarts.inc()
+            stderr.write(f"{error}\n")
+            if not restarts.allow(time.monotonic()):
+                code = 1
+                why = "serve gave up after too many failures of the ranks"
+                window = f"{settings.restart_window_s / 60:g} min"
+                log(stderr, f"{len(restarts.times)} failures within {window} (--max-restarts "
+                            f"{settings.max_restarts}); giving up. The failures:")  # fmt: skip
+                for i, f in enumerate(service.failures, 1):
+                    at = time.strftime("%H:%M:%S", time.localtime(f.at))
+                    log(stderr, f"  {i}. {at} {f.message}")
+                return code
+            current = next_hosts(hostfile, current, error, spec, launch, stderr)
+            window = f"{settings.restart_window_s / 60:g} min"
+            log(stderr, f"restarting the ranks (failure {len(restarts.times)} of at most "
+                        f"{settings.max_restarts} within {window})")  # fmt: skip
+    except Interrupted as e:
+        code = 128 + e.signum
+        log(stderr, f"stopped by {signal.Signals(e.signum).name}; no ranks are running")
+        return code
+    finally:
+        restore_signals(previous)
+        service.close(why)
+        api.stop()
+
+
+def next_hosts(
+    full: Hostfile,
+    current: Hostfile,
+    error: LaunchError,
+    spec: JobSpec,
+    launch: LaunchSettings,
+    stderr: IO[str],
+) -> Hostfile:
+    """The hosts of the next job: without the lost ones when the model fits the rest, else
+    all of them once the lost ones answer again (waiting with backoff)."""
+    if not error.lost_hosts:
+        return current
+    lost = [h for h in full.hosts if h.index in error.lost_hosts]
+    names = ", ".join(h.label for h in lost)
+    rest = without_hosts(current, error.lost_hosts)
+    why_not = fits(rest, spec)
+    if why_not is None:
+        log(stderr, f"leaving out {names}: the model fits on the {len(rest.hosts)} host(s) left")
+        return rest
+    log(stderr, f"waiting for {names} to answer again (cannot leave it out: {why_not})")
+    for i in itertools.count():
+        if all(host_answers(full, h, launch.accept_new_host_keys) for h in lost):
+            log(stderr, f"{names} answers again")
+            return full
+        time.sleep(BACKOFF_S[min(i, len(BACKOFF_S) - 1)])
+    raise AssertionError("unreachable")
