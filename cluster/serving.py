@@ -225,7 +225,7 @@ class Service:
             if error is None:
                 return
             self.failed_at = time.monotonic()
-            again = []
+            again, cut = [], 0
             for flight in self.inflight.values():
                 job = flight.job
                 if flight.gone:
@@ -240,6 +240,7 @@ class Service:
                         )  # fmt: skip
                     )
                     self.metrics.finished("stream_error")
+                    cut += 1
                     continue
                 if flight.shown:
                     job.chunks.put(RESTART)
@@ -250,6 +251,9 @@ class Service:
                 self.pending.appendleft(job)
                 self.waiting_since[job.id] = now
             self.metrics.queued.set(len(self.pending))
+            if again or cut:
+                log(self.stderr, f"of the answers under way: {len(again)} request(s) to decode "
+                                 f"again, {cut} stream(s) cut")  # fmt: skip
 
     def close(self, why: str) -> None:
         """No more jobs: whatever waits gets 503."""
