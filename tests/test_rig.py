@@ -106,11 +106,13 @@ def test_chat_across_three_hosts(rig, models, tmp_path):
     assert not any(rig.rank_pids().values())
 
 
-def test_serve_reached_at_rank_0s_address(rig, models, tmp_path):
+def test_serve_across_hosts_reached_at_this_machines_lan_address(rig, models, tmp_path):
+    """The API runs in the launcher's process: --host is an address of this machine (its LAN
+    address in the rig), the ranks on two other hosts."""
     from test_serve import Served, ask, chat_reference
 
     hostfile = write_hostfile(rig, tmp_path, hosts=[1, 2], over_cables=False)
-    address = f"{LAN}.1"
+    address = f"{LAN}.254"
     served = Served(models["qwen2"], "--hostfile", hostfile, "--host", address, address=address)
     try:
         r = ask(served.client, model="qwen2")
@@ -118,6 +120,81 @@ def test_serve_reached_at_rank_0s_address(rig, models, tmp_path):
     finally:
         assert served.stop() == 0, "".join(served.log)
     wait_until_no_ranks(rig, 10)
+
+
+def serve_on_rig(rig, models, tmp_path, hosts, memory_gb=None):
+    from test_serve import Served
+
+    data = rig.hostfile(hosts=hosts, over_cables=False)
+    for entry in data["hosts"]:
+        if memory_gb:
+            entry["memory_gb"] = memory_gb
+    hostfile = tmp_path / "rig.yaml"
+    hostfile.write_text(yaml.safe_dump(data, sort_keys=False))
+    args = ("--hostfile", hostfile, "--heartbeat-timeout", str(HEARTBEAT_S))
+    return Served(models["qwen2"], *args)
+
+
+def test_serve_leaves_out_a_lost_host_when_the_model_fits(rig, models, tmp_path):
+    """3 hosts with memory_gb, 4 clients in a loop; host 3's link goes down: the ranks
+    restart on hosts 1 and 2 (degraded) and no request is refused, hung or wrong."""
+    from test_serve import chat_reference
+    from test_serve_restart import Load, get, wait_for
+
+    served = serve_on_rig(rig, models, tmp_path, [1, 2, 3], memory_gb=8)
+    load = Load(served, 4, chat_reference(models["qwen2"], 16), 16, "qwen2")
+    try:
+        wait_for(lambda: load.ok() >= 4)
+        rig.link(3, up=False)
+        health = wait_for(lambda: (h := get(served, "/health")[1])["status"] == "degraded" and h)
+        assert health["hosts"] == 2 and health["hosts_in_hostfile"] == 3, health
+        assert [r["host"] for r in health["rank_states"]] == [f"{LAN}.1", f"{LAN}.2"], health
+        assert f"rank 2 of 3 on {LAN}.3" in health["last_failure"]["message"], health
+        before = load.ok()
+        wait_for(lambda: load.ok() >= before + 4)
+        outcomes = load.finish()
+    finally:
+        load.stop.set()
+        rig.link(3, up=True)
+        code = served.stop()
+    log = "".join(served.log)
+    print(f"outcomes: {dict(outcomes)}")
+    assert code == 0, log
+    assert f"leaving out host 2 ({LAN}.3): the model fits on the 2 host(s) left" in log, log
+    assert set(outcomes) <= {"ok", "ok stream", "cut"}, outcomes
+    wait_until_no_ranks(rig, HEARTBEAT_S + 10)  # the cut-off rank ended itself
+
+
+def test_serve_waits_for_a_lost_host_it_cannot_leave_out(rig, models, tmp_path):
+    """No memory_gb: the restart waits for the host; a request sent meanwhile is answered
+    once its link is back and the ranks are up again on both hosts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_serve import ask, chat_reference
+    from test_serve_restart import get, wait_for
+
+    served = serve_on_rig(rig, models, tmp_path, [1, 2])
+    try:
+        rig.link(2, up=False)
+        wait_for(lambda: any("waiting for host 1" in line for line in served.log), 60)
+        status, health, _ = get(served, "/health")
+        assert status == 503 and health["status"] == "restarting", health
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(ask, served.client, 8, "qwen2")
+            wait_for(lambda: get(served, "/health")[1]["waiting"] == 1)
+            rig.link(2, up=True)
+            text = answer.result(timeout=120).choices[0].message.content
+        assert text == chat_reference(models["qwen2"], 8)
+        status, health, _ = get(served, "/health")
+        assert status == 200 and health["status"] == "ok" and health["hosts"] == 2, health
+    finally:
+        rig.link(2, up=True)
+        code = served.stop()
+    log = "".join(served.log)
+    assert code == 0, log
+    assert "cannot leave it out: the hostfile gives no memory_gb for host 0" in log, log
+    assert f"host 1 ({LAN}.2) answers again" in log, log
+    wait_until_no_ranks(rig, HEARTBEAT_S + 10)
 
 
 def test_bench_across_hosts(rig, models, tmp_path):

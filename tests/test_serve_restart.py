@@ -72,11 +72,13 @@ class Load:
     hung (no answer within the client's timeout), cut (a stream ended by an error event),
     or the HTTP status of an error."""
 
-    def __init__(self, served: Served, clients: int, expected: str, max_tokens: int):
+    def __init__(
+        self, served: Served, clients: int, expected: str, max_tokens: int, model: str = "m"
+    ):
         self.client = openai.OpenAI(
             base_url=served.client.base_url, api_key="none", max_retries=0, timeout=120
         )
-        self.expected, self.max_tokens = expected, max_tokens
+        self.expected, self.max_tokens, self.model = expected, max_tokens, model
         self.outcomes: Counter = Counter()
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -99,12 +101,13 @@ class Load:
             try:
                 if stream:
                     chunks = self.client.chat.completions.create(
-                        model="m", messages=[{"role": "user", "content": PROMPT}],
+                        model=self.model, messages=[{"role": "user", "content": PROMPT}],
                         max_tokens=self.max_tokens, temperature=0, stream=True,
                     )  # fmt: skip
                     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
                 else:
-                    text = ask(self.client, self.max_tokens).choices[0].message.content
+                    answer = ask(self.client, self.max_tokens, self.model)
+                    text = answer.choices[0].message.content
                 kind = "ok" if text == self.expected else "wrong"
                 self.count(f"{kind} stream" if stream and kind == "ok" else kind)
             except openai.APIConnectionError as e:
