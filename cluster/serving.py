@@ -82,6 +82,8 @@ class Service:
         self.closed = False
         self.failures: list[Failure] = []
         self.failed_at: float | None = None
+        self.served = False  # the ranks were ready once: a later failure is restarted
+        self.url = ""
         self.metrics = Metrics(lambda: list(self.state.ranks) if self.state else [])
         threading.Thread(target=self.reap, daemon=True, name="reaper").start()
 
@@ -196,7 +198,7 @@ class Service:
                 self.refuse(job, RequestError(event.status, event.message))
 
     def became_ready(self, event: Serving, now: float) -> None:
-        self.ready = True
+        self.ready = self.served = True
         how = "batched" if event.batched else "one request at a time (its caches cannot be batched)"
         back = ""
         if self.failed_at is not None:
@@ -207,7 +209,7 @@ class Service:
         fewer = (
             f", degraded: {hosts} of {self.hosts_total} hosts" if hosts < self.hosts_total else ""
         )
-        log(self.stderr, f"serving {self.model_id}, {how}{fewer}{back}")
+        log(self.stderr, f"serving {self.model_id} on {self.url}, {how}{fewer}{back}")
         while self.pending:
             self.send(self.pending.popleft())
         self.waiting_since.clear()
@@ -225,6 +227,7 @@ class Service:
             if error is None:
                 return
             self.failed_at = time.monotonic()
+            self.failures.append(Failure(time.time(), first_line(error)))
             again, cut = [], 0
             for flight in self.inflight.values():
                 job = flight.job
@@ -388,7 +391,8 @@ def serve_until_done(
         return 2
     api.start()
     host, port = api.address
-    log(stderr, f"API on http://{host}:{port}/v1 (requests wait until the ranks are ready)")
+    service.url = f"http://{host}:{port}/v1"
+    log(stderr, f"API on {service.url} (requests wait until the ranks are ready)")
     restarts = Restarts(settings.max_restarts, settings.restart_window_s)
     previous = trap_signals()  # between jobs a signal ends serve; a job traps its own
     current = hostfile
@@ -408,12 +412,12 @@ def serve_until_done(
             started = None
             if error is None:
                 return 0
-            if error.exit_code >= 128 or (error.exit_code == 2 and not service.failures):
+            if error.exit_code >= 128 or not service.served:  # stopped, or never started:
+                # a job that fails before it ever served is a setup problem, not a fault
                 if str(error):
                     stderr.write(f"{error}\n")
                 code = error.exit_code
                 return code
-            service.failures.append(Failure(time.time(), first_line(error)))
             service.metrics.restarts.inc()
             stderr.write(f"{error}\n")
             if not restarts.allow(time.monotonic()):
@@ -449,8 +453,13 @@ def next_hosts(
     stderr: IO[str],
 ) -> Hostfile:
     """The hosts of the next job: without the lost ones when the model fits the rest, else
-    all of them once the lost ones answer again (waiting with backoff)."""
+    all of them once the lost ones answer again (waiting with backoff). A failure with no
+    host lost brings back the hosts left out earlier, if they answer now."""
     if not error.lost_hosts:
+        out = [h for h in full.hosts if h not in current.hosts]
+        if out and all(host_answers(full, h, launch.accept_new_host_keys) for h in out):
+            log(stderr, f"{', '.join(h.label for h in out)} answers again: back in the job")
+            return full
         return current
     lost = [h for h in full.hosts if h.index in error.lost_hosts]
     names = ", ".join(h.label for h in lost)

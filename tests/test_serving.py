@@ -1,0 +1,150 @@
+"""serve's supervisor without ranks: what happens to each request when a job ends, the
+restart budget, when a lost host can be left out, and the failures before any rank starts."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+
+from conftest import invoke
+
+from cluster.api import END, RESTART, ApiRequest, RequestError
+from cluster.hostfile import parse_hostfile
+from cluster.jobstate import JobState, RankState
+from cluster.launcher import LaunchError
+from cluster.protocol import Piece, Serving, Stats
+from cluster.serving import Restarts, Service, fits, without_hosts
+from cluster.spec import JobSpec, ServeSettings
+
+HOSTS = {"hosts": [{"ssh": "a.local"}, {"ssh": "b.local"}, {"ssh": "c.local"}]}
+
+
+def service(restart_wait: float = 60.0) -> tuple[Service, list[bytes]]:
+    spec = JobSpec(model="m", command="serve", serve=ServeSettings(restart_wait=restart_wait))
+    svc = Service(parse_hostfile(HOSTS), spec, io.StringIO())
+    sent: list[bytes] = []
+    return svc, sent
+
+
+def start_job(svc: Service, sent: list[bytes]) -> None:
+    svc.attach(sent.append, JobState([RankState(0, "a.local"), RankState(1, "b.local")]))
+    svc.on_event(0, Serving("m", True))
+
+
+def request(stream: bool) -> ApiRequest:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
+    return ApiRequest("chat", body, stream, "m")
+
+
+def drain(job: ApiRequest) -> list:
+    items = []
+    while not job.chunks.empty():
+        items.append(job.chunks.get())
+    return items
+
+
+def wait_sent(sent: list[bytes], n: int) -> list[dict]:
+    import time
+
+    deadline = time.monotonic() + 5
+    while len(sent) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [json.loads(line) for line in sent]
+
+
+def test_requests_wait_for_the_ranks_then_go_to_rank0_in_order():
+    svc, sent = service()
+    jobs = [request(False), request(True)]
+    for job in jobs:
+        svc.submit(job)
+    assert svc.health()["status"] == "starting" and svc.health()["waiting"] == 2
+    start_job(svc, sent)
+    lines = wait_sent(sent, 2)
+    assert [x["request"]["id"] for x in lines] == [j.id for j in jobs]
+    assert lines[0]["op"] == "request" and lines[0]["request"]["messages"][0]["content"] == "hi"
+    assert svc.health()["status"] == "ok" and svc.health()["in_flight"] == 2
+
+
+def test_a_failed_job_cuts_streams_under_way_and_decodes_the_rest_again():
+    svc, sent = service()
+    start_job(svc, sent)
+    plain, shown_stream, quiet_stream = request(False), request(True), request(True)
+    for job in (plain, shown_stream, quiet_stream):
+        svc.submit(job)
+    wait_sent(sent, 3)
+    svc.on_event(0, Piece(plain.id, "Hel"))
+    svc.on_event(0, Piece(shown_stream.id, "Hel"))
+    svc.job_ended(LaunchError("error: rank 1 of 2 on b.local exited with code -9\nmore"))
+    assert drain(plain) == ["Hel", RESTART]
+    items = drain(shown_stream)
+    assert items[0] == "Hel" and isinstance(items[1], RequestError)
+    assert items[1].status == 502 and "the answer was cut: rank 1 of 2 on b.local" in str(items[1])
+    assert drain(quiet_stream) == []
+    assert [j.id for j in svc.pending] == [plain.id, quiet_stream.id]
+    assert "1 stream(s) cut" in svc.stderr.getvalue()
+
+    sent.clear()
+    start_job(svc, sent)  # the restarted job gets them again, first in line
+    assert [x["request"]["id"] for x in wait_sent(sent, 2)] == [plain.id, quiet_stream.id]
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    svc.on_event(0, Piece(plain.id, "Hello"))
+    svc.on_event(0, Stats("length", usage, {}, request=plain.id))
+    assert drain(plain) == ["Hello", END] and plain.result["usage"] == usage
+    metrics = svc.metrics.exposition().decode()
+    assert 'mlx_cluster_requests_total{status="200"} 1.0' in metrics
+    assert 'mlx_cluster_requests_total{status="stream_error"} 1.0' in metrics
+    assert "mlx_cluster_completion_tokens_total 2.0" in metrics
+
+
+def test_a_request_past_the_restart_wait_gets_503_with_retry_after():
+    svc, _ = service(restart_wait=0.0)
+    job = request(False)
+    svc.submit(job)
+    error = job.chunks.get(timeout=5)
+    assert isinstance(error, RequestError) and error.status == 503 and error.retry_after
+    assert "not ready after 0 s (starting)" in str(error)
+    assert not svc.pending
+
+
+def test_restarts_counts_failures_in_its_window():
+    r = Restarts(2, 600)
+    assert r.allow(0) and r.allow(100)
+    assert not r.allow(200)  # 3 within 600 s
+    r = Restarts(2, 600)
+    assert r.allow(0) and r.allow(100) and r.allow(700) and r.allow(750)  # the first two expired
+    assert not Restarts(0, 600).allow(0)
+
+
+def test_a_lost_host_is_left_out_only_when_the_model_fits(tmp_path):
+    from tiny import make_model
+
+    model = make_model(tmp_path / "m", "llama", seed=1)
+    size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    spec = JobSpec(model=str(model), command="serve")
+    big = {"hosts": [{"ssh": f"h{i}.local", "memory_gb": 64} for i in range(3)]}
+    rest = without_hosts(parse_hostfile(big), [2])
+    assert [h.index for h in rest.hosts] == [0, 1]  # the hosts keep their numbers
+    assert fits(rest, spec) is None
+    small = {"hosts": [{"ssh": f"h{i}.local", "memory_gb": size / 4e9} for i in range(3)]}
+    why = fits(without_hosts(parse_hostfile(small), [2]), spec)
+    assert why.startswith("rank 0 on host 0 (h0.local) would hold") and "GB of weights" in why
+    unknown = fits(without_hosts(parse_hostfile(HOSTS), [1]), spec)
+    assert unknown == "the hostfile gives no memory_gb for host 0 (a.local), host 2 (c.local)"
+    assert fits(without_hosts(parse_hostfile(big), [0, 1, 2]), spec) == "no host is left"
+
+
+def test_a_busy_port_fails_before_any_rank_starts(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = invoke("serve", "--model", tmp_path, "--port", port)
+    assert p.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port} (Address already in use); pass another" in p.stderr
+
+
+def test_a_job_that_never_served_is_not_restarted(tmp_path):
+    p = invoke("serve", "--model", tmp_path, "--port", 0)  # no config.json there
+    assert p.returncode == 2, p.stderr
+    assert "config.json" in p.stderr and "restarting" not in p.stderr
