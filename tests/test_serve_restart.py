@@ -155,6 +155,8 @@ def test_three_killed_ranks_under_load_lose_no_request(model):
     print(f"outcomes: {dict(outcomes)}")
     backs = [float(x) for x in re.findall(r"back ([\d.]+) s after the failure", log)]
     print(f"ready again after (s): {backs}")
+    under_way = re.findall(r"(\d+) request\(s\) to decode again, (\d+) stream\(s\) cut", log)
+    print(f"under way at each failure (decoded again, cut): {under_way}")
     assert code == 0, log
     assert set(outcomes) <= {"ok", "ok stream", "cut"}, outcomes  # none refused, hung, wrong
     assert outcomes["ok"] > 0 and outcomes["ok stream"] > 0
