@@ -19,10 +19,11 @@ from typing import Any
 from .backends import rank_envs, ring_ports
 from .blas import INSTALL_HINT, OPENBLAS_PATHS
 from .hostfile import Host, Hostfile, split_weights
-from .modelcheck import check_shardable, choose_split, looks_like_repo, read_config, text_config
+from .modelcheck import choose_split, looks_like_repo, read_config, text_config
 from .process import rank_python, shell_command
 from .protocol import LinkReport
 from .shards import pipeline_split
+from .tensorplan import check_mode
 
 PACKAGES = ("mlx", "mlx-lm", "mlx-cluster")
 JACCL_MIN_MACOS = (26, 2)
@@ -204,15 +205,18 @@ def model_shares(
     path = Path(model).expanduser()
     config = read_config(path)
     n = hostfile.world_size
-    check_shardable(config, mode, n)
+    weights = split or split_weights(hostfile)
+    plan = check_mode(config, mode, n, weights)
     total = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     if n == 1:
         return {0: total}
-    if mode == "tensor":
-        return dict.fromkeys(range(n), total // n)
     layers = text_config(config).get("num_hidden_layers") or n
-    split = pipeline_split(layers, n, choose_split(config, n, split, split_weights(hostfile)))
     per_layer = total / (layers + 2)  # embeddings and head counted as about two layers each
+    if plan is not None:  # every rank holds the embeddings and head, and its span of each layer
+        cols = plan.mlp or plan.moe or plan.heads
+        width = cols[-1][1]
+        return {r: int(per_layer * (2 + layers * (b - a) / width)) for r, (a, b) in enumerate(cols)}
+    split = pipeline_split(layers, n, choose_split(config, n, split, split_weights(hostfile)))
     return {r: int(per_layer * (split[r] + 2)) for r in range(n)}
 
 

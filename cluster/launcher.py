@@ -39,7 +39,6 @@ from .jobstate import (
 from .modelcheck import (
     ModelError,
     check_request,
-    check_shardable,
     choose_split,
     looks_like_repo,
     read_config,
@@ -57,6 +56,7 @@ from .protocol import (
     decode_event,
 )
 from .spec import JobSpec, LaunchSettings
+from .tensorplan import check_mode
 
 
 class LaunchError(RuntimeError):
@@ -89,25 +89,33 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-def preflight(hostfile: Hostfile, spec: JobSpec) -> list[int] | None:
-    """Checks that need no rank: the model's config (when it is here). Returns the pipeline
-    split when one is chosen (explicit or by memory), None for the even split."""
+def preflight(hostfile: Hostfile, spec: JobSpec) -> list[str]:
+    """Checks that need no rank: the model's config (when it is here). Returns what to tell
+    the user about the split (pipeline layers, tensor heads, replicated KV heads)."""
     n = hostfile.world_size
     if spec.command == "links":  # no model
-        return None
-    if spec.split and (spec.mode != "pipeline" or n < 2):
-        raise ModelError("--split is for pipeline mode with 2 or more ranks")
+        return []
+    if spec.split and n < 2:
+        raise ModelError("--split is for 2 or more ranks")
     path = Path(spec.model).expanduser()
     elsewhere = not path.exists() and not all(h.is_local for h in hostfile.hosts)
     if looks_like_repo(spec.model) or elsewhere:  # the hosts fetch or hold it; each checks
-        check_shardable({}, spec.mode, n)
-        return spec.split
+        check_mode({}, spec.mode, n)
+        return []
     config = read_config(path)
-    check_shardable(config, spec.mode, n)
+    weights = spec.split or split_weights(hostfile)
+    plan = check_mode(config, spec.mode, n, weights)
     check_request(config, spec.command, spec.request.image is not None, spec.model)
-    if spec.mode != "pipeline":
-        return None
-    return choose_split(config, n, spec.split, split_weights(hostfile))
+    if plan is not None:
+        notes = [plan.kv_note()] if plan.kv_note() else []
+        if weights:
+            heads = ",".join(str(b - a) for a, b in plan.heads)
+            notes.insert(0, f"tensor split in proportion {weights}: query heads per rank {heads}")
+        return notes
+    if spec.mode != "pipeline" or n < 2:
+        return []
+    split = choose_split(config, n, spec.split, split_weights(hostfile))
+    return [f"pipeline split, layers per rank: {','.join(map(str, split))}"] if split else []
 
 
 def check_ports(launches: list[RankLaunch]) -> None:
@@ -379,7 +387,7 @@ def run_job(
     stderr = stderr or sys.stderr
     started = time.perf_counter() if started is None else started
     try:
-        split = preflight(hostfile, spec)
+        notes = preflight(hostfile, spec)
         launches = plan(hostfile, spec, launch)
     except (ModelError, ValueError) as e:
         raise LaunchError(f"error: {e}", exit_code=2) from e
@@ -433,8 +441,8 @@ def run_job(
         watch = RankWatch(ranks, spec.command, launch, stdout, stderr, started, stdin, link)
         what = f"{spec.mode} mode, model {spec.model}" if spec.model else "to measure the links"
         log(stderr, f"starting {len(ranks)} rank(s), {hostfile.backend} backend, {what}")
-        if split:
-            log(stderr, f"pipeline split, layers per rank: {','.join(map(str, split))}")
+        for note in notes:
+            log(stderr, note)
         watch.run()
         if watch.drained:
             log(stderr, "drained; all ranks stopped")

@@ -86,12 +86,12 @@ def check_request(config: dict[str, Any], command: str, image: bool, name: str) 
 
 
 def check_shardable(config: dict[str, Any], mode: str, num_ranks: int) -> None:
-    """Raise ModelError when ``num_ranks`` cannot split this model in ``mode``; name the numbers."""
+    """Raise ModelError when ``num_ranks`` cannot split this model in ``mode``; name the numbers.
+    Tensor mode's own split is checked by cluster.tensorplan.check_mode."""
     if mode not in MODES:
         raise ModelError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     if num_ranks < 2:
         return
-    cfg = text_config(config)
     layers = num_layers(config)
     if mode == "pipeline":
         if layers is not None and num_ranks > layers:
@@ -100,37 +100,8 @@ def check_shardable(config: dict[str, Any], mode: str, num_ranks: int) -> None:
                 f"layers but {num_ranks} ranks were asked for; use at most {layers} ranks"
             )
         return
-    if is_vision_model(config):
-        raise ModelError(
-            f"vision model {config.get('model_type')!r}: mlx-cluster shards vision-language "
-            "models in pipeline mode only; use --mode pipeline"
-        )
-    heads = cfg.get("num_attention_heads")
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    checks = [
-        ("num_attention_heads", heads),
-        ("num_key_value_heads", kv_heads),
-        ("intermediate_size", cfg.get("intermediate_size")),
-        ("moe_intermediate_size", cfg.get("moe_intermediate_size")),
-        ("shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size")),
-    ]
-    bad = [
-        f"{name}={value}" for name, value in checks if isinstance(value, int) and value % num_ranks
-    ]
-    if bad:
-        fits = [
-            n for n in range(2, 9) if all(not isinstance(v, int) or v % n == 0 for _, v in checks)
-        ]
-        hint = (
-            f"rank counts that divide them: {', '.join(map(str, fits))}"
-            if fits
-            else "no rank count from 2 to 8 divides them"
-        )
-        raise ModelError(
-            f"tensor mode splits heads and hidden sizes across ranks, but {', '.join(bad)} "
-            f"{'is' if len(bad) == 1 else 'are'} not divisible by {num_ranks} ranks ({hint}); "
-            "or use --mode pipeline"
-        )
+    # tensor mode (a VLM's language model; its vision tower stays whole on every rank): the
+    # heads and columns each rank holds, cluster.tensorplan.plan_tensor
 
 
 def num_layers(config: dict[str, Any]) -> int | None:

@@ -21,7 +21,6 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from cluster.modelcheck import (
     ModelError,
-    check_shardable,
     choose_split,
     is_vision_model,
     looks_like_repo,
@@ -35,8 +34,10 @@ from cluster.shards import (
     pipeline_range,
     weight_files_for_layers,
 )
+from cluster.tensorplan import TensorPlan, check_mode
 
 from .stage import apply_stages
+from .tensor import recognised, shard_tensor
 from .vlm import load_vlm
 
 META_PATTERNS = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jsonl", "*.jinja"]
@@ -147,6 +148,29 @@ def materialize(model: nn.Module) -> None:
         mx.eval(array)
 
 
+def shard_for_tensor(model: nn.Module, plan: TensorPlan, weights, group) -> None:
+    """Our sharding by layer role (node/tensor.py) where it knows every layer; else mlx-lm's
+    own shard() (deepseek_v3's latent attention), which splits evenly only."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, list) and layers and all(recognised(x) for x in layers):
+        shard_tensor(layers, plan, group)
+        return
+    family = type(model).__module__.rsplit(".", 1)[-1]
+    if not hasattr(model, "shard"):
+        raise ModelError(
+            f"tensor mode does not know the layers of model family {family!r}, and mlx-lm has "
+            "no shard() for it; use --mode pipeline"
+        )
+    if weights or not plan.even():
+        raise ModelError(
+            f"model family {family!r} is sharded by mlx-lm's own shard(), which splits heads "
+            "evenly and does not replicate KV heads: use a rank count that divides "
+            "num_attention_heads and num_key_value_heads, without --split or memory_gb "
+            "weights, or --mode pipeline"
+        )
+    model.shard(group)
+
+
 def load_shard(
     ref: str,
     mode: str,
@@ -157,7 +181,8 @@ def load_shard(
     size, rank = group.size(), group.rank()
     model_dir = resolve_model(ref, META_PATTERNS)
     config = read_config(model_dir, require_weights=not looks_like_repo(ref))
-    check_shardable(config, mode, size)
+    weights = split or split_weights
+    plan = check_mode(config, mode, size, weights)
     vlm = is_vision_model(config)
     layer_re = VLM_LAYER_RE if vlm else LAYER_RE
 
@@ -183,13 +208,6 @@ def load_shard(
             "model.safetensors.index.json are missing; the copy or download is incomplete "
             "(after `mlx-cluster sync`: sync again with the --mode and --split you run with)"
         )
-    if not vlm:  # (check_shardable has refused tensor mode for vision models)
-        model_class = _model_class(config)
-        if size > 1 and mode == "tensor" and not hasattr(model_class, "shard"):
-            raise ModelError(
-                f"model family {config['model_type']!r} has no tensor-parallel support in "
-                "mlx-lm (its model has no shard()); use --mode pipeline"
-            )
     view = _view(model_dir, files)
     loaded_names: set[str] = set()
     processor = None
@@ -206,7 +224,7 @@ def load_shard(
     check_complete(model, loaded_names, layers or (0, 10**9), model_dir, layer_re)
 
     if size > 1 and mode == "tensor":
-        model.shard(group)
+        shard_for_tensor(model.language_model if vlm else model, plan, weights, group)
     elif size > 1:
         text_model = model.language_model if vlm else model
         inner = getattr(text_model, "model", None)

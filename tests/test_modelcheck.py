@@ -1,6 +1,7 @@
 import pytest
 
 from cluster.modelcheck import ModelError, check_shardable, read_config
+from cluster.tensorplan import check_mode, spans
 
 CFG = {
     "model_type": "llama",
@@ -17,14 +18,49 @@ def test_pipeline_rank_limit():
         check_shardable(CFG, "pipeline", 7)
 
 
-def test_tensor_divisibility_names_numbers_and_hints():
-    check_shardable(CFG, "tensor", 3)
-    with pytest.raises(ModelError) as e:
-        check_shardable({**CFG, "num_key_value_heads": 2}, "tensor", 3)
-    assert (
-        "num_key_value_heads=2 is not divisible by 3 ranks (rank counts that divide them: 2)"
-        in str(e.value)
+def test_tensor_plan_uneven_heads_replicated_kv_and_its_cost():
+    plan = check_mode({**CFG, "num_key_value_heads": 2}, "tensor", 4)
+    assert plan.heads == [(0, 2), (2, 4), (4, 5), (5, 6)]  # 6 heads over 4: 2/2/1/1
+    # a KV head serves 3 query heads: rank 1's heads 2 and 3 use KV heads 0 and 1
+    assert plan.kv == [[0], [0, 1], [1], [1]]
+    assert plan.mlp == [(0, 48), (48, 96), (96, 144), (144, 192)]
+    assert not plan.even()
+    assert plan.kv_note() == (
+        "KV heads replicated: the ranks hold 1, 2, 1, 1 of the model's 2 KV heads "
+        "(2.50x the KV cache and k/v projections of an even split)"
     )
+    even = check_mode(CFG, "tensor", 3)
+    assert even.even() and even.kv == [[0, 1], [2, 3], [4, 5]] and even.kv_note() is None
+
+
+def test_tensor_plan_in_proportion_to_memory():
+    big = {**CFG, "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 1024}
+    assert [b - a for a, b in check_mode(big, "tensor", 3).heads] == [22, 21, 21]
+    plan = check_mode(big, "tensor", 2, [192, 64])  # a 192 GB and a 64 GB Mac
+    assert [b - a for a, b in plan.heads] == [48, 16]
+    assert [b - a for a, b in plan.mlp] == [768, 256]
+    assert plan.kv == [[0, 1, 2, 3, 4, 5], [6, 7]]
+
+
+def test_tensor_plan_refusals_name_the_numbers():
+    with pytest.raises(ModelError, match="num_attention_heads=6 is fewer than 8 ranks"):
+        check_mode(CFG, "tensor", 8)
+    quantized = {**CFG, "hidden_size": 96, "quantization": {"group_size": 64, "bits": 4}}
+    # head_dim 16: a span of query heads must be a multiple of 4 heads (64 features)
+    with pytest.raises(ModelError, match="cut on quantization groups of 64: num_attention_heads=6"):
+        check_mode(quantized, "tensor", 2)
+    ok = {**quantized, "hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 8}
+    ok["intermediate_size"] = 256
+    plan = check_mode(ok, "tensor", 2)
+    assert plan.heads == [(0, 4), (4, 8)] and plan.mlp == [(0, 128), (128, 256)]
+
+
+def test_spans():
+    assert spans(10, [1, 1, 1]) == [(0, 4), (4, 7), (7, 10)]
+    assert spans(8, [100, 1]) == [(0, 7), (7, 8)]  # never an empty span
+    assert spans(256, [3, 1], unit=64) == [(0, 192), (192, 256)]
+    with pytest.raises(ValueError):
+        spans(2, [1, 1, 1])
 
 
 def test_gguf_and_empty_dirs(tmp_path):

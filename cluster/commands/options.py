@@ -156,8 +156,10 @@ MODEL = {
         default=default(JobSpec, "split"),
         callback=parse_split,
         metavar="N,N,...",
-        help="Pipeline layers per rank, rank 0 first (rank 0 holds the last layers). Default: "
-        "in proportion to the hosts' memory_gb when every host gives it, else even.",
+        help="Pipeline mode: layers per rank, rank 0 first (rank 0 holds the last layers). "
+        "Tensor mode: each rank's share of the heads and MLP columns, as proportions (3,1 gives "
+        "rank 0 three quarters). Default: in proportion to the hosts' memory_gb when every "
+        "host gives it, else even.",
     ),
     "blas": click.option(
         "--blas",

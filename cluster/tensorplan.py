@@ -1,0 +1,148 @@
+"""Which heads and which MLP columns each rank holds in tensor mode: the plan the ranks apply
+(node/tensor.py) and the preflight checks and reports before any rank starts.
+
+Query heads and MLP columns are split in proportion to each rank's weight (equal by default;
+``memory_gb`` or ``--split`` otherwise), as contiguous spans: 64 heads over 3 ranks is 22/21/21.
+A rank holds the KV heads its query heads use, so KV heads are replicated when ranks outnumber
+them or do not divide them (as vLLM does). On a quantized model every span boundary that cuts
+the input of a row-parallel layer (o_proj, down_proj) falls on a quantization-group boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .modelcheck import ModelError, check_shardable, text_config
+
+
+def spans(total: int, weights: list[float], unit: int = 1) -> list[tuple[int, int]]:
+    """``total`` split into contiguous [start, end) spans in proportion to ``weights``, every
+    boundary a multiple of ``unit``, none empty (largest remainder; ties to the low ranks)."""
+    n = len(weights)
+    if total % unit or total // unit < n:
+        raise ValueError(f"{total} cannot be split into {n} non-empty parts of {unit}")
+    units = total // unit
+    whole = sum(weights)
+    exact = [units * w / whole for w in weights]
+    counts = [max(1, math.floor(x)) for x in exact]
+    while sum(counts) > units:  # the max(1, ...) floors took too many
+        i = max((i for i in range(n) if counts[i] > 1), key=lambda i: (counts[i] - exact[i], i))
+        counts[i] -= 1
+    order = sorted(range(n), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[: units - sum(counts)]:
+        counts[i] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append((start * unit, (start + c) * unit))
+        start += c
+    return out
+
+
+def kv_heads_for(q_span: tuple[int, int], n_heads: int, n_kv: int) -> list[int]:
+    """The KV heads a rank with query heads ``q_span`` holds, in the order its query heads use
+    them (attention maps local query head j to local KV head j // (local q / local kv)): each
+    needed KV head once when they serve equal runs of its query heads, else one per query
+    head."""
+    group = n_heads // n_kv
+    needed = [h // group for h in range(*q_span)]
+    unique = sorted(set(needed))
+    run = len(needed) // len(unique)
+    if len(needed) % len(unique) == 0 and needed == [k for k in unique for _ in range(run)]:
+        return unique
+    return needed
+
+
+@dataclass
+class TensorPlan:
+    heads: list[tuple[int, int]]  # query heads per rank
+    kv: list[list[int]]  # KV heads per rank (global indices, a head may be on several ranks)
+    n_kv: int
+    mlp: list[tuple[int, int]] | None  # intermediate columns per rank (dense MLP)
+    moe: list[tuple[int, int]] | None  # per-expert intermediate columns per rank
+    shared: list[tuple[int, int]] | None  # shared experts' intermediate columns per rank
+
+    def even(self) -> bool:
+        """Every rank the same share and no KV head replicated (what mlx-lm's shard() does)."""
+
+        def same(spans: list[tuple[int, int]] | None) -> bool:
+            return spans is None or len({b - a for a, b in spans}) == 1
+
+        held = sum(len(k) for k in self.kv)
+        return all(map(same, (self.heads, self.mlp, self.moe, self.shared))) and held == self.n_kv
+
+    def kv_note(self) -> str | None:
+        """The memory cost of replicated KV heads, when there is one."""
+        held = sum(len(k) for k in self.kv)
+        if held == self.n_kv:
+            return None
+        per_rank = ", ".join(str(len(k)) for k in self.kv)
+        return (
+            f"KV heads replicated: the ranks hold {per_rank} of the model's {self.n_kv} KV heads "
+            f"({held / self.n_kv:.2f}x the KV cache and k/v projections of an even split)"
+        )
+
+
+def quant_group(config: dict[str, Any]) -> int:
+    q = config.get("quantization") or config.get("quantization_config") or {}
+    return int(q.get("group_size") or 0) if isinstance(q, dict) else 0
+
+
+def plan_tensor(
+    config: dict[str, Any], size: int, weights: list[float] | None = None
+) -> TensorPlan:
+    """Each rank's heads, KV heads and MLP columns; ModelError (naming the numbers) when a
+    model cannot be split over ``size`` ranks this way."""
+    cfg = text_config(config)
+    weights = weights or [1.0] * size
+    n_heads = cfg.get("num_attention_heads")
+    if not isinstance(n_heads, int):
+        raise ModelError("tensor mode needs num_attention_heads in config.json")
+    n_kv = cfg.get("num_key_value_heads") or n_heads
+    if n_heads % n_kv:
+        raise ModelError(
+            f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}"
+        )
+    hidden = cfg.get("hidden_size")
+    head_dim = cfg.get("head_dim") or (hidden // n_heads if hidden else None)
+    group = quant_group(config)
+    why = "tensor mode gives each rank a span of the query heads and of the MLP columns"
+    heads_unit = math.lcm(head_dim, group) // head_dim if group and head_dim else 1
+
+    def split(name: str, total: Any, unit: int) -> list[tuple[int, int]] | None:
+        if not isinstance(total, int):
+            return None
+        try:
+            return spans(total, weights, unit)
+        except ValueError:
+            if unit > 1:
+                raise ModelError(
+                    f"{why}, cut on quantization groups of {group}: {name}={total} cannot give "
+                    f"{size} ranks a non-empty span of whole groups ({unit} at a time); "
+                    "use fewer ranks or --mode pipeline"
+                ) from None
+            raise ModelError(
+                f"{why}: {name}={total} is fewer than {size} ranks; use at most {total} ranks "
+                "or --mode pipeline"
+            ) from None
+
+    heads = split("num_attention_heads", n_heads, heads_unit)
+    mlp = split("intermediate_size", cfg.get("intermediate_size"), group or 1)
+    moe = split("moe_intermediate_size", cfg.get("moe_intermediate_size"), group or 1)
+    shared = split(
+        "shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"), group or 1
+    )
+    kv = [kv_heads_for(s, n_heads, n_kv) for s in heads]
+    return TensorPlan(heads, kv, n_kv, mlp, moe, shared)
+
+
+def check_mode(
+    config: dict[str, Any], mode: str, size: int, weights: list[float] | None = None
+) -> TensorPlan | None:
+    """check_shardable, and in tensor mode the plan (None otherwise); ModelError names why a
+    model cannot be split as asked."""
+    check_shardable(config, mode, size)
+    if mode != "tensor" or size < 2 or not config:
+        return None
+    return plan_tensor(config, size, weights)

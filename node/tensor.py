@@ -1,0 +1,243 @@
+"""Tensor mode by the role of each linear layer, for any family built of the usual parts.
+
+A decoder layer is recognised by its parts, not by its family: an attention module (q_proj,
+k_proj, v_proj or a fused qkv_proj, then o_proj; head counts in n_heads / n_kv_heads) and an MLP
+(gate/up/down, a fused gate_up_proj, or a mixture of experts: a router ``gate`` and a SwitchGLU
+``switch_mlp``, maybe shared experts). Column-parallel layers (q, k, v, gate, up, the experts'
+gate and up) keep the rows of this rank's heads or columns: no communication. Row-parallel
+layers (o, down) keep the matching input features and sum their partial products over the
+ranks (``all_sum``), adding a bias once. A mixture of experts sums once, after the block.
+Norms, rotary embeddings, softcapping and sliding windows act per head or on the whole hidden
+state and are left as they are; embeddings and the head stay whole.
+
+Which heads and columns: cluster/tensorplan.py. A rank holds the KV heads its query heads
+use, replicated when the ranks outnumber them. ``ModelError`` names a part this module does not
+know, so the user hears why instead of getting wrong text.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from cluster.modelcheck import ModelError
+from cluster.tensorplan import TensorPlan
+
+ATTENTION = ("self_attn", "attention", "attn")
+MLP = ("mlp", "block_sparse_moe", "feed_forward")
+HEADS = ("n_heads", "num_heads", "num_attention_heads")
+KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
+GROUPS = ("repeats", "n_rep", "num_key_value_groups")  # query heads per KV head, where kept
+COLUMN = ("gate_proj", "up_proj")
+ROW = ("down_proj",)
+SHARED = ("shared_expert", "shared_experts")
+QUIET = ("q_norm", "k_norm")  # per-head norms: the same weights on every rank
+
+
+class RowParallel(nn.Module):
+    """A linear layer that holds a span of its input features: the partial products of all
+    ranks summed, the bias added once."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        if "bias" in inner:
+            self.bias = inner["bias"]
+            del inner["bias"]
+        self.inner = inner
+        self.group = group
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.distributed.all_sum(self.inner(x), group=self.group)
+        return y + self["bias"] if "bias" in self else y
+
+
+class RankSum(nn.Module):
+    """A block (a mixture of experts) whose every expert holds a span of its columns: its
+    output summed over the ranks."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        return mx.distributed.all_sum(self.inner(*args, **kwargs), group=self.group)
+
+
+def keep_rows(module: nn.Module, rows: list[int]) -> None:
+    """Keep these output features (rows) of a linear layer, float or quantized, or of every
+    expert of a switch layer."""
+    index = mx.array(rows, dtype=mx.uint32)
+    for name in ("weight", "scales", "biases", "bias"):
+        if name in module and module[name] is not None:
+            axis = -1 if name == "bias" else -2
+            module[name] = mx.contiguous(mx.take(module[name], index, axis=axis))
+
+
+def keep_inputs(module: nn.Module, start: int, end: int) -> None:
+    """Keep input features [start, end) of a linear or switch layer (quantized: on group
+    boundaries, which the plan guarantees)."""
+    full = input_dims(module)
+    for name in ("weight", "scales", "biases"):
+        if name not in module or module[name] is None:
+            continue
+        array = module[name]
+        per = full // array.shape[-1]  # features per stored column (packing, groups)
+        if start % per or end % per:
+            raise ModelError(
+                f"input features [{start}, {end}) of a {type(module).__name__} do not fall on "
+                f"its {per}-feature boundaries (quantization groups); use --mode pipeline"
+            )
+        module[name] = mx.contiguous(array[..., start // per : end // per])
+
+
+def input_dims(module: nn.Module) -> int:
+    if "scales" in module:
+        return module["scales"].shape[-1] * module.group_size
+    return module["weight"].shape[-1]
+
+
+def output_dims(module: nn.Module) -> int:
+    return module["weight"].shape[-2]
+
+
+def first_attr(module: nn.Module, names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if isinstance(getattr(module, n, None), int)), None)
+
+
+def children(module: nn.Module) -> dict[str, nn.Module]:
+    """The child modules that hold weights (a RoPE or an activation module holds none)."""
+    return {
+        k: v
+        for k, v in module.children().items()
+        if isinstance(v, nn.Module) and tree_flatten(v.parameters())
+    }
+
+
+def shard_attention(attn: nn.Module, plan: TensorPlan, rank: int, group) -> None:
+    heads_name, kv_name = first_attr(attn, HEADS), first_attr(attn, KV_HEADS)
+    parts = children(attn)
+    fused = "qkv_proj" in parts
+    known = {"o_proj", *QUIET, *(("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"))}
+    unknown = sorted(set(parts) - known)
+    if heads_name is None or kv_name is None or unknown or "o_proj" not in parts:
+        what = f"parts {', '.join(unknown)}" if unknown else "head counts or o_proj"
+        raise ModelError(
+            f"tensor mode does not know this attention ({type(attn).__name__}: {what}); "
+            "use --mode pipeline"
+        )
+    n_heads, n_kv = getattr(attn, heads_name), getattr(attn, kv_name)
+    q_rows = output_dims(attn.qkv_proj if fused else attn.q_proj)
+    if fused:
+        q_rows = q_rows * n_heads // (n_heads + 2 * n_kv)
+    head_dim = q_rows // n_heads
+    h0, h1 = plan.heads[rank]
+    kv = plan.kv[rank]
+    q = [r for h in range(h0, h1) for r in range(h * head_dim, (h + 1) * head_dim)]
+    k = [r for h in kv for r in range(h * head_dim, (h + 1) * head_dim)]
+    if fused:  # [q | k | v] rows in one layer
+        base_k, base_v = n_heads * head_dim, (n_heads + n_kv) * head_dim
+        keep_rows(attn.qkv_proj, q + [base_k + r for r in k] + [base_v + r for r in k])
+    else:
+        keep_rows(attn.q_proj, q)
+        keep_rows(attn.k_proj, k)
+        keep_rows(attn.v_proj, k)
+    keep_inputs(attn.o_proj, h0 * head_dim, h1 * head_dim)
+    attn.o_proj = RowParallel(attn.o_proj, group)
+    setattr(attn, heads_name, h1 - h0)
+    setattr(attn, kv_name, len(kv))
+    for name in GROUPS:
+        if isinstance(getattr(attn, name, None), int):
+            setattr(attn, name, (h1 - h0) // len(kv))
+
+
+def shard_dense(mlp: nn.Module, span: tuple[int, int]) -> nn.Module:
+    """Keep columns ``span`` of a gate/up/down (or gate_up/down) MLP; returns the down layer
+    (the caller decides where the sum happens)."""
+    parts = children(mlp)
+    i0, i1 = span
+    if "gate_up_proj" in parts and "down_proj" in parts and len(parts) == 2:
+        inter = output_dims(mlp.gate_up_proj) // 2
+        keep_rows(mlp.gate_up_proj, [*range(i0, i1), *range(inter + i0, inter + i1)])
+    elif set(parts) == {*COLUMN, *ROW}:
+        for name in COLUMN:
+            keep_rows(getattr(mlp, name), list(range(i0, i1)))
+    else:
+        raise ModelError(
+            f"tensor mode does not know this MLP ({type(mlp).__name__}: parts "
+            f"{', '.join(sorted(parts))}); use --mode pipeline"
+        )
+    keep_inputs(mlp.down_proj, i0, i1)
+    return mlp.down_proj
+
+
+def shard_experts(block: nn.Module, plan: TensorPlan, rank: int) -> None:
+    """A mixture of experts: every expert (and shared expert) keeps a span of its columns; the
+    router stays whole. The caller sums the block's output."""
+    parts = children(block)
+    unknown = sorted(set(parts) - {"gate", "switch_mlp", *SHARED, "shared_expert_gate"})
+    switch = parts.get("switch_mlp")
+    if unknown or switch is None or set(children(switch)) != {*COLUMN, *ROW}:
+        raise ModelError(
+            f"tensor mode does not know this mixture of experts ({type(block).__name__}: parts "
+            f"{', '.join(sorted(parts))}); use --mode pipeline"
+        )
+    columns = plan.moe or plan.mlp  # mixtral's experts are intermediate_size wide
+    width = output_dims(switch.gate_proj)
+    if columns is None or columns[-1][1] != width:
+        raise ModelError(
+            f"the experts of {type(block).__name__} are {width} columns wide, which neither "
+            "moe_intermediate_size nor intermediate_size in config.json says; use --mode pipeline"
+        )
+    for layer in (switch.down_proj, *(getattr(parts.get(s), "down_proj", None) for s in SHARED)):
+        if layer is not None and "bias" in layer:
+            raise ModelError("tensor mode cannot split experts whose down projection has a bias")
+    i0, i1 = columns[rank]
+    for name in COLUMN:
+        keep_rows(getattr(switch, name), list(range(i0, i1)))
+    keep_inputs(switch.down_proj, i0, i1)
+    for name in SHARED:
+        if name in parts:
+            if plan.shared is None:
+                raise ModelError("tensor mode needs shared_expert_intermediate_size in config")
+            shard_dense(parts[name], plan.shared[rank])
+
+
+def recognised(layer: nn.Module) -> bool:
+    """Whether ``layer`` looks like a decoder layer this module can shard (the attention has
+    head counts and separate or fused q/k/v projections)."""
+    attn = next((children(layer)[a] for a in ATTENTION if a in children(layer)), None)
+    if attn is None or first_attr(attn, HEADS) is None or first_attr(attn, KV_HEADS) is None:
+        return False
+    parts = set(children(attn))
+    return "o_proj" in parts and ("qkv_proj" in parts or {"q_proj", "k_proj", "v_proj"} <= parts)
+
+
+def shard_tensor(layers: list[nn.Module], plan: TensorPlan, group) -> None:
+    """Shard every decoder layer for this rank, in place."""
+    rank = group.rank()
+    for layer in layers:
+        parts = children(layer)
+        attn = next(a for a in ATTENTION if a in parts)
+        name = next((m for m in MLP if m in parts), None)
+        if name is None:
+            raise ModelError(
+                f"tensor mode finds no MLP in {type(layer).__name__}; use --mode pipeline"
+            )
+        others = sorted(set(parts) - {attn, name} - {p for p in parts if "norm" in p})
+        if others:
+            raise ModelError(
+                f"tensor mode does not know the parts {', '.join(others)} of "
+                f"{type(layer).__name__}; use --mode pipeline"
+            )
+        shard_attention(parts[attn], plan, rank, group)
+        block = parts[name]
+        if "switch_mlp" in children(block):
+            shard_experts(block, plan, rank)
+            setattr(layer, name, RankSum(block, group))
+        else:
+            if plan.mlp is None:
+                raise ModelError("tensor mode needs intermediate_size in config.json")
+            shard_dense(block, plan.mlp[rank])
+            block.down_proj = RowParallel(block.down_proj, group)
