@@ -37,7 +37,7 @@ from cluster.shards import (
 from cluster.tensorplan import TensorPlan, check_mode
 
 from .stage import apply_stages
-from .tensor import recognised, shard_tensor
+from .tensor import layer_problem, shard_tensor
 from .vlm import load_vlm
 
 META_PATTERNS = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jsonl", "*.jinja"]
@@ -152,14 +152,18 @@ def shard_for_tensor(model: nn.Module, plan: TensorPlan, weights, group) -> None
     """Our sharding by layer role (node/tensor.py) where it knows every layer; else mlx-lm's
     own shard() (deepseek_v3's latent attention), which splits evenly only."""
     layers = getattr(model, "layers", None)
-    if isinstance(layers, list) and layers and all(recognised(x) for x in layers):
+    if not isinstance(layers, list) or not layers:
+        problem = "it has no list of layers"
+    else:
+        problem = next((p for p in map(layer_problem, layers) if p), None)
+    if problem is None:
         shard_tensor(layers, plan, group)
         return
     family = type(model).__module__.rsplit(".", 1)[-1]
     if not hasattr(model, "shard"):
         raise ModelError(
-            f"tensor mode does not know the layers of model family {family!r}, and mlx-lm has "
-            "no shard() for it; use --mode pipeline"
+            f"tensor mode cannot split model family {family!r} by its parts ({problem}), and "
+            "mlx-lm has no shard() for it; use --mode pipeline"
         )
     if weights or not plan.even():
         raise ModelError(

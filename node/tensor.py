@@ -32,7 +32,7 @@ GROUPS = ("repeats", "n_rep", "num_key_value_groups")  # query heads per KV head
 COLUMN = ("gate_proj", "up_proj")
 ROW = ("down_proj",)
 SHARED = ("shared_expert", "shared_experts")
-QUIET = ("q_norm", "k_norm")  # per-head norms: the same weights on every rank
+NORMS = ("q_norm", "k_norm")  # per head: one weight for all heads, or one row per head
 
 
 class RowParallel(nn.Module):
@@ -102,6 +102,14 @@ def output_dims(module: nn.Module) -> int:
     return module["weight"].shape[-2]
 
 
+def head_dim(attn: nn.Module) -> int:
+    n_heads = getattr(attn, first_attr(attn, HEADS))
+    if "qkv_proj" in children(attn):
+        n_kv = getattr(attn, first_attr(attn, KV_HEADS))
+        return output_dims(attn.qkv_proj) // (n_heads + 2 * n_kv)
+    return output_dims(attn.q_proj) // n_heads
+
+
 def first_attr(module: nn.Module, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if isinstance(getattr(module, n, None), int)), None)
 
@@ -117,33 +125,25 @@ def children(module: nn.Module) -> dict[str, nn.Module]:
 
 def shard_attention(attn: nn.Module, plan: TensorPlan, rank: int, group) -> None:
     heads_name, kv_name = first_attr(attn, HEADS), first_attr(attn, KV_HEADS)
-    parts = children(attn)
-    fused = "qkv_proj" in parts
-    known = {"o_proj", *QUIET, *(("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"))}
-    unknown = sorted(set(parts) - known)
-    if heads_name is None or kv_name is None or unknown or "o_proj" not in parts:
-        what = f"parts {', '.join(unknown)}" if unknown else "head counts or o_proj"
-        raise ModelError(
-            f"tensor mode does not know this attention ({type(attn).__name__}: {what}); "
-            "use --mode pipeline"
-        )
+    fused = "qkv_proj" in children(attn)
     n_heads, n_kv = getattr(attn, heads_name), getattr(attn, kv_name)
-    q_rows = output_dims(attn.qkv_proj if fused else attn.q_proj)
-    if fused:
-        q_rows = q_rows * n_heads // (n_heads + 2 * n_kv)
-    head_dim = q_rows // n_heads
+    dim = head_dim(attn)
     h0, h1 = plan.heads[rank]
     kv = plan.kv[rank]
-    q = [r for h in range(h0, h1) for r in range(h * head_dim, (h + 1) * head_dim)]
-    k = [r for h in kv for r in range(h * head_dim, (h + 1) * head_dim)]
+    q = [r for h in range(h0, h1) for r in range(h * dim, (h + 1) * dim)]
+    k = [r for h in kv for r in range(h * dim, (h + 1) * dim)]
     if fused:  # [q | k | v] rows in one layer
-        base_k, base_v = n_heads * head_dim, (n_heads + n_kv) * head_dim
+        base_k, base_v = n_heads * dim, (n_heads + n_kv) * dim
         keep_rows(attn.qkv_proj, q + [base_k + r for r in k] + [base_v + r for r in k])
     else:
         keep_rows(attn.q_proj, q)
         keep_rows(attn.k_proj, k)
         keep_rows(attn.v_proj, k)
-    keep_inputs(attn.o_proj, h0 * head_dim, h1 * head_dim)
+    for name, rows in (("q_norm", list(range(h0, h1))), ("k_norm", kv)):
+        norm = getattr(attn, name, None)
+        if norm is not None and "weight" in norm and norm["weight"].ndim == 2:  # one per head
+            norm["weight"] = mx.contiguous(mx.take(norm["weight"], mx.array(rows), axis=0))
+    keep_inputs(attn.o_proj, h0 * dim, h1 * dim)
     attn.o_proj = RowParallel(attn.o_proj, group)
     setattr(attn, heads_name, h1 - h0)
     setattr(attn, kv_name, len(kv))
@@ -155,19 +155,13 @@ def shard_attention(attn: nn.Module, plan: TensorPlan, rank: int, group) -> None
 def shard_dense(mlp: nn.Module, span: tuple[int, int]) -> nn.Module:
     """Keep columns ``span`` of a gate/up/down (or gate_up/down) MLP; returns the down layer
     (the caller decides where the sum happens)."""
-    parts = children(mlp)
     i0, i1 = span
-    if "gate_up_proj" in parts and "down_proj" in parts and len(parts) == 2:
+    if "gate_up_proj" in children(mlp):
         inter = output_dims(mlp.gate_up_proj) // 2
         keep_rows(mlp.gate_up_proj, [*range(i0, i1), *range(inter + i0, inter + i1)])
-    elif set(parts) == {*COLUMN, *ROW}:
+    else:
         for name in COLUMN:
             keep_rows(getattr(mlp, name), list(range(i0, i1)))
-    else:
-        raise ModelError(
-            f"tensor mode does not know this MLP ({type(mlp).__name__}: parts "
-            f"{', '.join(sorted(parts))}); use --mode pipeline"
-        )
     keep_inputs(mlp.down_proj, i0, i1)
     return mlp.down_proj
 
@@ -176,13 +170,7 @@ def shard_experts(block: nn.Module, plan: TensorPlan, rank: int) -> None:
     """A mixture of experts: every expert (and shared expert) keeps a span of its columns; the
     router stays whole. The caller sums the block's output."""
     parts = children(block)
-    unknown = sorted(set(parts) - {"gate", "switch_mlp", *SHARED, "shared_expert_gate"})
-    switch = parts.get("switch_mlp")
-    if unknown or switch is None or set(children(switch)) != {*COLUMN, *ROW}:
-        raise ModelError(
-            f"tensor mode does not know this mixture of experts ({type(block).__name__}: parts "
-            f"{', '.join(sorted(parts))}); use --mode pipeline"
-        )
+    switch = parts["switch_mlp"]
     columns = plan.moe or plan.mlp  # mixtral's experts are intermediate_size wide
     width = output_dims(switch.gate_proj)
     if columns is None or columns[-1][1] != width:
@@ -204,14 +192,55 @@ def shard_experts(block: nn.Module, plan: TensorPlan, rank: int) -> None:
             shard_dense(parts[name], plan.shared[rank])
 
 
-def recognised(layer: nn.Module) -> bool:
-    """Whether ``layer`` looks like a decoder layer this module can shard (the attention has
-    head counts and separate or fused q/k/v projections)."""
-    attn = next((children(layer)[a] for a in ATTENTION if a in children(layer)), None)
-    if attn is None or first_attr(attn, HEADS) is None or first_attr(attn, KV_HEADS) is None:
-        return False
+def attention_problem(attn: nn.Module) -> str | None:
     parts = set(children(attn))
-    return "o_proj" in parts and ("qkv_proj" in parts or {"q_proj", "k_proj", "v_proj"} <= parts)
+    fused = "qkv_proj" in parts
+    wanted = {"o_proj", *(("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"))}
+    heads_name, kv_name = first_attr(attn, HEADS), first_attr(attn, KV_HEADS)
+    if heads_name is None or kv_name is None:
+        return f"its attention ({type(attn).__name__}) keeps no head counts we know"
+    if not wanted <= parts or parts - wanted - set(NORMS):
+        return (
+            f"its attention ({type(attn).__name__}) has the parts {', '.join(sorted(parts))}, "
+            "not q/k/v (or qkv) and o projections"
+        )
+    dim = head_dim(attn)
+    for name, heads in zip(NORMS, (heads_name, kv_name), strict=True):
+        weight = getattr(attn, name, None)
+        weight = weight.get("weight") if weight is not None else None
+        if weight is not None and weight.shape not in ((dim,), (getattr(attn, heads), dim)):
+            return (
+                f"its {name} normalises across heads (weight {tuple(weight.shape)}, head_dim "
+                f"{dim}): a rank does not hold every head"
+            )
+    return None
+
+
+def mlp_problem(block: nn.Module) -> str | None:
+    parts = set(children(block))
+    dense = ({"gate_up_proj", "down_proj"}, {*COLUMN, *ROW})
+    if parts in dense:
+        return None
+    switch = children(block).get("switch_mlp")
+    if switch is not None and set(children(switch)) == {*COLUMN, *ROW}:
+        if parts <= {"gate", "switch_mlp", "shared_expert_gate", *SHARED} and all(
+            set(children(children(block)[s])) in dense for s in SHARED if s in parts
+        ):
+            return None
+    return f"its MLP ({type(block).__name__}) has the parts {', '.join(sorted(parts))}"
+
+
+def layer_problem(layer: nn.Module) -> str | None:
+    """Why tensor mode cannot shard this decoder layer by its parts, or None when it can."""
+    parts = children(layer)
+    attn = next((a for a in ATTENTION if a in parts), None)
+    mlp = next((m for m in MLP if m in parts), None)
+    if attn is None or mlp is None:
+        return f"{type(layer).__name__} has no attention or MLP under a name we know"
+    others = sorted(set(parts) - {attn, mlp} - {p for p in parts if "norm" in p})
+    if others:
+        return f"{type(layer).__name__} has parts we do not know: {', '.join(others)}"
+    return attention_problem(parts[attn]) or mlp_problem(parts[mlp])
 
 
 def shard_tensor(layers: list[nn.Module], plan: TensorPlan, group) -> None:
@@ -220,17 +249,7 @@ def shard_tensor(layers: list[nn.Module], plan: TensorPlan, group) -> None:
     for layer in layers:
         parts = children(layer)
         attn = next(a for a in ATTENTION if a in parts)
-        name = next((m for m in MLP if m in parts), None)
-        if name is None:
-            raise ModelError(
-                f"tensor mode finds no MLP in {type(layer).__name__}; use --mode pipeline"
-            )
-        others = sorted(set(parts) - {attn, name} - {p for p in parts if "norm" in p})
-        if others:
-            raise ModelError(
-                f"tensor mode does not know the parts {', '.join(others)} of "
-                f"{type(layer).__name__}; use --mode pipeline"
-            )
+        name = next(m for m in MLP if m in parts)
         shard_attention(parts[attn], plan, rank, group)
         block = parts[name]
         if "switch_mlp" in children(block):

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
+from families import render as render_survey
+from families import survey
 from tiny import FAMILIES, VLM_FAMILIES, make_model, make_vlm
 
 from cluster.blas import blas_env
@@ -259,7 +261,20 @@ def render(results: dict[str, dict[str, Cell]]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Reasons:", ""]
     lines += [f"{i}. {note}" for i, note in enumerate(notes, start=1)]
-    return "\n".join(lines) + "\n"
+    lines += [
+        "",
+        "## Tensor mode in mlx-lm's other families",
+        "",
+        "Tensor mode splits a layer by the role of its parts (`node/tensor.py`), so it serves any",
+        "family built of the usual ones. `python tests/families.py` builds each mlx-lm family from",
+        "one small generic config and asks of every layer what `launch --mode tensor` asks before",
+        "it shards. This says whether the rules recognise the layers, not that a run matches:",
+        "the families in the table above are the ones run and compared. A family may also look",
+        "different under its real config (optional norms, MoE on some layers only).",
+        "",
+        render_survey(survey()),
+    ]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def parse(markdown: str) -> dict[str, dict[str, str]]:
