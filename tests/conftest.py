@@ -65,6 +65,13 @@ def rank_pids(what: str = " -m node run ") -> list[int]:
     return descendant_ranks(os.getpid(), _children(), _cmdline, what)
 
 
+def rank_pid(rank: int) -> int:
+    """The pid of this session's one running rank ``rank`` (its job.json path says which)."""
+    pids = [p for p in rank_pids() if f"/rank{rank}/job.json" in _cmdline(p)]
+    assert len(pids) == 1, f"rank {rank}: {pids}"
+    return pids[0]
+
+
 @pytest.fixture(autouse=True)
 def no_stray_ranks():
     """Every test must leave no rank process (nor a rank's watcher) behind; one that does

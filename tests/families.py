@@ -88,13 +88,19 @@ def survey() -> dict[str, str | None]:
             continue
         try:
             module = importlib.import_module(f"mlx_lm.models.{name}")
+        except (Exception, SystemExit) as e:  # a family that needs another package
+            out[name] = f"could not be built: its module does not import ({type(e).__name__})"
+            continue
+        if not hasattr(module, "Model") or not hasattr(module, "ModelArgs"):
+            continue  # a helper module (layers, attention kinds), not a family
+        try:
             args_cls, model_cls = module.ModelArgs, module.Model
             fields = inspect.signature(args_cls).parameters
             config = {k: v for k, v in {**CONFIG, "model_type": name}.items() if k in fields}
             model = model_cls(args_cls(**config))
             layers = model.layers
         except (Exception, SystemExit) as e:  # args that need more than the generic config
-            out[name] = f"could not be built from a generic config ({type(e).__name__})"
+            out[name] = f"could not be built from the generic config ({type(e).__name__})"
             continue
         problems = [p for p in map(layer_problem, layers) if p]
         shard = " (mlx-lm's shard() covers it)" if hasattr(model_cls, "shard") else ""

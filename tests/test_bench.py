@@ -6,11 +6,12 @@ import csv
 import hashlib
 import json
 import math
+import os
 import signal
 import subprocess
 
 import pytest
-from conftest import CLI, ROOT, invoke, rank_pids, run_cli
+from conftest import CLI, ROOT, _children, _cmdline, descendant_ranks, invoke, rank_pids, run_cli
 
 from cluster.bench import (
     BASELINES,
@@ -29,8 +30,8 @@ PROMPT_TOKENS, GEN_TOKENS, REPEAT = 24, 8, 2
 
 
 def baseline_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "mlx_lm.benchmark"], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+    """This session's mlx_lm.benchmark processes (never another user's)."""
+    return descendant_ranks(os.getpid(), _children(), _cmdline, "mlx_lm.benchmark")
 
 
 def reference_sha(model_dir, prompt_tokens: int, gen_tokens: int) -> str:
@@ -250,7 +251,7 @@ def test_mlx_launch_baseline_and_unsupported_mode(models, tmp_path):
         (["--baselines", "exo"], "single, mlx-lm, mlx.launch, or none"),
         (["--gen-tokens", "1"], "--gen-tokens"),
         (["--ranks", "1,3", "--hostfile", ROOT / "hostfiles/local.yaml"], "has only 2 rank(s)"),
-        (["--modes", "tensor", "--ranks", "5"], "--modes tensor --ranks 5"),
+        (["--modes", "tensor", "--ranks", "9"], "--modes tensor --ranks 9"),
         (["--modes", "pipeline", "--ranks", "7"], "--modes pipeline --ranks 7"),
     ],
 )

@@ -8,7 +8,7 @@ import socket
 import subprocess
 
 import pytest
-from conftest import CLI, ROOT, invoke, rank_pids, reference, run_cli, start_streaming
+from conftest import CLI, ROOT, invoke, rank_pid, rank_pids, reference, run_cli, start_streaming
 
 from cluster.modelcheck import default_model_path
 
@@ -172,10 +172,10 @@ def test_more_ranks_than_layers(models):
     assert "the model has 6 layers but 7 ranks were asked for" in p.stderr
 
 
-def test_heads_not_divisible(models):
-    p = invoke("launch", "-n", 4, "--mode", "tensor", "--model", models["qwen2"], PROMPT)
+def test_more_ranks_than_heads(models):
+    p = invoke("launch", "-n", 13, "--mode", "tensor", "--model", models["qwen2"], PROMPT)
     assert p.returncode == 2
-    assert "num_key_value_heads=6 is not divisible by 4 ranks (rank counts that" in p.stderr
+    assert "num_attention_heads=12 is fewer than 13 ranks; use at most 12 ranks" in p.stderr
     assert "starting" not in p.stderr  # refused before any rank starts
 
 
@@ -265,11 +265,8 @@ def test_sigterm_stops_every_rank(models):
 @pytest.mark.e2e
 def test_killed_rank_mid_generation_stops_the_job(models):
     proc = start_long_job(models["endless"])
-    victim = subprocess.run(
-        ["pgrep", "-f", "--", "rank1/job.json"], capture_output=True, text=True
-    ).stdout.split()
-    assert len(victim) == 1
-    os.kill(int(victim[0]), signal.SIGKILL)
+    victim = rank_pid(1)
+    os.kill(victim, signal.SIGKILL)
     code, err = finish(proc)
     assert code == 1
     assert "error: rank 1 of 2 on localhost was killed by signal 9 while generating" in err

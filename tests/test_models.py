@@ -139,3 +139,20 @@ def test_each_rank_holds_about_half(mode, family, tmp_path_factory):
     assert alone > 0.05, single.stderr  # the weights are counted
     print(f"{family} {mode}: peak per rank {ranks} GB, single process {alone} GB")
     assert max(ranks) < 0.6 * alone, (ranks, alone)
+
+
+@pytest.mark.e2e
+def test_replicated_kv_heads_are_reported_before_loading(models):
+    """qwen2's 12 heads and 6 KV heads at 4 ranks: 3 query heads each, which use KV heads
+    unevenly (0, 0, 1), so each rank holds one KV head per query head; the preflight says what
+    that costs, and the text is single-process mlx-lm's."""
+    from conftest import reference
+
+    p = run_cli("launch", "-n", 4, "--mode", "tensor", "--model", models["qwen2"],
+                "--max-tokens", 12, "Tell me about lists")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == reference(models["qwen2"], "Tell me about lists", 12)
+    note = next(x for x in p.stderr.splitlines() if "KV heads replicated" in x)
+    assert note.endswith("the ranks hold 3, 3, 3, 3 of the model's 6 KV heads (2.00x the KV "
+                         "cache and k/v projections of an even split)"), note  # fmt: skip
+    assert p.stderr.index("KV heads replicated") < p.stderr.index("all ranks ready")

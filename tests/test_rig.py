@@ -158,7 +158,8 @@ def test_serve_leaves_out_a_lost_host_when_the_model_fits(rig, models, tmp_path)
         rig.link(3, up=True)
         code = served.stop()
     log = "".join(served.log)
-    print(f"outcomes: {dict(outcomes)}")
+    back = re.findall(r"back ([\d.]+) s after the failure", log)
+    print(f"outcomes: {dict(outcomes)}; serving again {back} s after the failure was seen")
     assert code == 0, log
     assert f"leaving out host 2 ({LAN}.3): the model fits on the 2 host(s) left" in log, log
     assert set(outcomes) <= {"ok", "ok stream", "cut"}, outcomes
@@ -191,6 +192,8 @@ def test_serve_waits_for_a_lost_host_it_cannot_leave_out(rig, models, tmp_path):
         rig.link(2, up=True)
         code = served.stop()
     log = "".join(served.log)
+    back = re.findall(r"back ([\d.]+) s after the failure", log)
+    print(f"serving again {back} s after the failure was seen (the link was down meanwhile)")
     assert code == 0, log
     assert "cannot leave it out: the hostfile gives no memory_gb for host 0" in log, log
     assert f"host 1 ({LAN}.2) answers again" in log, log

@@ -279,7 +279,7 @@ def test_seeded_requests_repeat(server):
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
 def test_batch_on_three_ranks_equals_lone_answers(tmp_path, mode):
     """llama goes through our pipeline stages (skipped cache slots in a batch), tensor mode
-    through mlx-lm's shard(); requests of different lengths join one batch."""
+    through node/tensor.py's shards; requests of different lengths join one batch."""
     from tiny import make_model
 
     model = make_model(tmp_path / "m", "llama", seed=1)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import rank_pids, reference, run_cli, start_streaming
+from conftest import rank_pid, rank_pids, reference, run_cli, start_streaming
 from sshd import SSHD, keygen
 
 pytestmark = pytest.mark.skipif(not Path(SSHD).exists(), reason="needs openssh-server")
@@ -134,12 +134,9 @@ def test_kill_9_of_a_remote_rank_ends_the_job(sshd, models, tmp_path):
     proc = start_streaming(
         "--hostfile", hf, "--model", models["endless"], "--max-tokens", 1000000, PROMPT
     )
-    victim = subprocess.run(
-        ["pgrep", "-f", "--", "rank2/job.json"], capture_output=True, text=True
-    ).stdout.split()
-    assert len(victim) == 1
+    victim = rank_pid(2)
     killed = time.monotonic()
-    os.kill(int(victim[0]), signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
     _, err = proc.communicate(timeout=30)
     assert time.monotonic() - killed < 10
     assert proc.returncode == 1
@@ -175,10 +172,8 @@ def test_sigstopped_rank_is_named_after_heartbeat_timeout(sshd, models, tmp_path
         1000000,
         PROMPT,
     )
-    victim = subprocess.run(
-        ["pgrep", "-f", "--", "rank1/job.json"], capture_output=True, text=True
-    ).stdout.split()
-    os.kill(int(victim[0]), signal.SIGSTOP)
+    victim = rank_pid(1)
+    os.kill(victim, signal.SIGSTOP)
     stopped = time.monotonic()
     _, err = proc.communicate(timeout=60)
     err = err.decode()
