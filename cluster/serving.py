@@ -195,7 +195,8 @@ class Service:
                     self.metrics.answered(event.usage)
             elif isinstance(event, Refused):
                 del self.inflight[job.id]
-                self.refuse(job, RequestError(event.status, event.message))
+                kind = "server_error" if event.status >= 500 else "invalid_request_error"
+                self.refuse(job, RequestError(event.status, event.message, kind))
 
     def became_ready(self, event: Serving, now: float) -> None:
         self.ready = self.served = True

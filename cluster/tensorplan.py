@@ -96,6 +96,10 @@ def plan_tensor(
     model cannot be split over ``size`` ranks this way."""
     cfg = text_config(config)
     weights = weights or [1.0] * size
+    if len(weights) != size or any(w <= 0 for w in weights):
+        raise ModelError(
+            f"the tensor split {list(weights)} needs one positive share per rank ({size} ranks)"
+        )
     n_heads = cfg.get("num_attention_heads")
     if not isinstance(n_heads, int):
         raise ModelError("tensor mode needs num_attention_heads in config.json")

@@ -43,6 +43,8 @@ def test_tensor_plan_in_proportion_to_memory():
 
 
 def test_tensor_plan_refusals_name_the_numbers():
+    with pytest.raises(ModelError, match=r"split \[3, 1, 1\] needs one positive share per rank"):
+        check_mode(CFG, "tensor", 2, [3, 1, 1])
     with pytest.raises(ModelError, match="num_attention_heads=6 is fewer than 8 ranks"):
         check_mode(CFG, "tensor", 8)
     quantized = {**CFG, "hidden_size": 96, "quantization": {"group_size": 64, "bits": 4}}
