@@ -159,8 +159,12 @@ def _reason(stderr: str) -> str:
     return stderr.strip().splitlines()[-1] if stderr.strip() else "no message"
 
 
-def check_cell(model_dir: Path, mode: str, ranks: int, image: Path | None = None) -> Cell:
-    """One cell: launch as a user would, compare with single-process."""
+def check_cell(
+    model_dir: Path, mode: str, ranks: int, image: Path | None = None, delta: bool = True
+) -> Cell:
+    """One cell: launch as a user would, compare with single-process. ``delta=False`` skips
+    the logits run when the text already matches (the status is then known; CI's tensor
+    cells, whose Δ the docs show but no test bounds)."""
     args = ["launch", "-n", ranks, "--mode", mode, "--model", model_dir]
     if image is None:
         p = run_cli(*args, "--max-tokens", MAX_TOKENS, PROMPT)
@@ -175,15 +179,17 @@ def check_cell(model_dir: Path, mode: str, ranks: int, image: Path | None = None
     same_text = p.stdout == expected
     if image is not None:  # mlx-vlm has no plain forward pass to compare logits with
         return Cell("match" if same_text else "differs", "text")
+    if same_text and not delta:
+        return Cell("match", "text")
     q = run_cli(*args, "--logits", PROMPT)
     if q.returncode != 0:
         return Cell("failed", f"--logits exit {q.returncode}: {_reason(q.stderr)}")
     got = json.loads(q.stdout)["logits"]
     want = reference_logits(model_dir)
-    delta = max(abs(a - b) for a, b in zip(got, want, strict=True))
+    largest = max(abs(a - b) for a, b in zip(got, want, strict=True))
     if same_text:
-        return Cell("match", f"{delta:.1g}")
-    return Cell("close" if delta <= LOGIT_TOLERANCE else "differs", f"{delta:.2g}")
+        return Cell("match", f"{largest:.1g}")
+    return Cell("close" if largest <= LOGIT_TOLERANCE else "differs", f"{largest:.2g}")
 
 
 def build_models(base: Path, families: list[str]) -> dict[str, Path]:

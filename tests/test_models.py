@@ -30,7 +30,7 @@ def test_matrix_row_is_what_docs_say(family, tmp_path):
         model, image = make_model(tmp_path / family, family, seed=1), None
     for column, recorded in DOCS[family].items():
         mode, ranks = column.split()
-        cell = check_cell(model, mode, int(ranks), image)
+        cell = check_cell(model, mode, int(ranks), image, delta=mode == "pipeline")
         assert cell.status == recorded, f"{family} {column}: {cell.status} ({cell.detail})"
         # every family matches in both modes at 2, 3 and 4 ranks
         assert cell.status == "match", f"{family} {column}: {cell}"
