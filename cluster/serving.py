@@ -345,20 +345,15 @@ def fits(hostfile: Hostfile, spec: JobSpec) -> str | None:
 
 
 def host_answers(hostfile: Hostfile, host: Host, accept_new: bool) -> bool:
-    if host.is_local:
-        return True
-    from .ssh import SSHError, connect, run
+    """Whether ``host`` runs a trivial command over a fresh connection, within the time the
+    launcher gives a host to answer a signal."""
+    from .ssh import SIGNAL_TIMEOUT_S, SSHError, host_shell
 
     try:
-        client = connect(host, hostfile, accept_new)
-    except SSHError:
+        with host_shell(host, hostfile, accept_new) as shell:
+            return shell.run("true", timeout=SIGNAL_TIMEOUT_S)[0] == 0
+    except (SSHError, TimeoutError, OSError, EOFError):
         return False
-    try:
-        return run(client, "true", timeout=5.0)[0] == 0
-    except (TimeoutError, OSError, EOFError):
-        return False
-    finally:
-        client.close()
 
 
 class Restarts:
@@ -395,6 +390,7 @@ def serve_until_done(
     service.url = f"http://{host}:{port}/v1"
     log(stderr, f"API on {service.url} (requests wait until the ranks are ready)")
     restarts = Restarts(settings.max_restarts, settings.restart_window_s)
+    window = f"{settings.restart_window_s / 60:g} min"
     previous = trap_signals()  # between jobs a signal ends serve; a job traps its own
     current = hostfile
     code = 0
@@ -424,7 +420,6 @@ def serve_until_done(
             if not restarts.allow(time.monotonic()):
                 code = 1
                 why = "serve gave up after too many failures of the ranks"
-                window = f"{settings.restart_window_s / 60:g} min"
                 log(stderr, f"{len(restarts.times)} failures within {window} (--max-restarts "
                             f"{settings.max_restarts}); giving up. The failures:")  # fmt: skip
                 for i, f in enumerate(service.failures, 1):
@@ -432,7 +427,6 @@ def serve_until_done(
                     log(stderr, f"  {i}. {at} {f.message}")
                 return code
             current = next_hosts(hostfile, current, error, spec, launch, stderr)
-            window = f"{settings.restart_window_s / 60:g} min"
             log(stderr, f"restarting the ranks (failure {len(restarts.times)} of at most "
                         f"{settings.max_restarts} within {window})")  # fmt: skip
     except Interrupted as e:
