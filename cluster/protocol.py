@@ -68,6 +68,7 @@ class Stats:
     timings: dict[str, Any]
     time_to_first_token_s: float | None = None
     request: str | None = None  # serve: the id of the request it ends
+    stop_sequence: str | None = None  # the stop string that ended the answer, if one did
 
 
 @dataclass
@@ -81,11 +82,38 @@ class Serving:
 
 @dataclass
 class Piece:
-    """Serve: the next text of one request's answer."""
+    """Serve: the next text of one request's answer. A chat answer's text comes apart in
+    ``channel``s: "reasoning" (inside the model's think block) and "content"; ``logprobs``
+    holds one entry per token decoded since the last piece, when the request asked for them
+    ({"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]})."""
 
     kind = "piece"
     request: str
     text: str
+    channel: str = "content"
+    logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class ToolCall:
+    """Serve: one tool call of a chat answer, parsed by mlx-lm's tool parser of the model's
+    family. ``arguments`` is a JSON object's text; ``id`` only when the model named one."""
+
+    kind = "tool_call"
+    request: str
+    index: int
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+@dataclass
+class Counted:
+    """Serve: the prompt tokens of a request that only counts them (count_tokens)."""
+
+    kind = "counted"
+    request: str
+    prompt_tokens: int
 
 
 @dataclass
@@ -170,6 +198,8 @@ Event = (
     | Stats
     | Serving
     | Piece
+    | ToolCall
+    | Counted
     | Refused
     | Memory
     | Notice

@@ -36,7 +36,7 @@ from .jobstate import JobState
 from .launcher import Interrupted, LaunchError, log, restore_signals, run_job, trap_signals
 from .metrics import Metrics
 from .modelcheck import ModelError
-from .protocol import Event, Piece, Refused, Serving, Stats
+from .protocol import Counted, Event, Piece, Refused, Serving, Stats, ToolCall
 from .spec import JobSpec, LaunchSettings, to_dict
 
 REAP_EVERY_S = 0.25
@@ -180,13 +180,18 @@ class Service:
             if flight is None:
                 return
             job = flight.job
-            if isinstance(event, Piece):
+            if isinstance(event, (Piece, ToolCall)):
                 if not flight.shown:
                     self.metrics.ttft.observe(now - job.arrived)
                 else:
                     self.metrics.token_latency.observe(now - flight.last)
                 flight.shown, flight.last = True, now
-                job.chunks.put(event.text)
+                job.chunks.put(event)
+            elif isinstance(event, Counted):
+                del self.inflight[job.id]
+                job.result = {"prompt_tokens": event.prompt_tokens}
+                job.chunks.put(END)
+                self.metrics.finished(200)
             elif isinstance(event, Stats):
                 del self.inflight[job.id]
                 job.result = to_dict(event)

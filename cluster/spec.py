@@ -79,12 +79,14 @@ class ServeRequest:
     the OpenAI body; rank 0 tokenizes and schedules it."""
 
     id: str
-    kind: str  # "chat" (messages through the chat template) or "completion" (prompt)
+    kind: str  # "chat" (messages through the chat template), "completion" (prompt) or
+    # "count" (messages through the template, only counted: no answer)
     sampling: Sampling
     template: Template = field(default_factory=Template)
-    messages: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # OpenAI chat messages
     prompt: str = ""
     seeded: bool = False  # decoded alone: its tokens depend on the random state
+    logprobs: int | None = None  # None: none; 0: each token's own; k: and the k likeliest
 
 
 @dataclass

@@ -70,12 +70,14 @@ def generate(
     feed: list[int] | None = None,
     cancelled: Callable[[], bool] | None = None,
     cancellable: bool = False,
+    on_response: Callable[[Any], None] | None = None,
 ) -> Answer:
     """Decode ``request`` (identical on every rank); ``write`` gets text segments on rank 0.
 
     With ``prompt_cache`` (holding the start of the prompt), only ``feed`` is prefilled.
     ``cancellable`` (chat, serve: the same on every rank) says rank 0 may cancel the answer;
-    ``cancelled`` is how rank 0 learns it."""
+    ``cancelled`` is how rank 0 learns it; ``on_response`` (rank 0) sees each response before
+    its text (serve's logprobs)."""
     return stream(
         token_stream(model, tokenizer, request, prompt_cache, feed),
         write,
@@ -84,6 +86,7 @@ def generate(
         cancelled,
         generation_stream,
         cancellable=cancellable,
+        on_response=on_response,
     )
 
 
@@ -111,13 +114,15 @@ class StopText:
     def __init__(self, stops: list[str]):
         self.stops = stops
         self.pending = ""
+        self.hit: str | None = None  # the stop string that was reached
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text to show now, whether a stop string was reached)."""
         self.pending += text
-        hits = [i for i in (self.pending.find(x) for x in self.stops) if i >= 0]
+        hits = [(i, x) for x in self.stops if (i := self.pending.find(x)) >= 0]
         if hits:
-            shown, self.pending = self.pending[: min(hits)], ""
+            at, self.hit = min(hits)
+            shown, self.pending = self.pending[:at], ""
             return shown, True
         cut = len(self.pending) - held_back(self.pending, self.stops)
         shown, self.pending = self.pending[:cut], self.pending[cut:]
@@ -188,6 +193,7 @@ def stream(
     cancelled: Callable[[], bool] | None = None,
     gen_stream=None,
     cancellable: bool = False,
+    on_response: Callable[[Any], None] | None = None,
 ) -> Answer:
     """Hand each response's text to ``write`` (rank 0) and return the answer.
 
@@ -214,6 +220,8 @@ def stream(
         progress.tick()
         tokens.append(response.token)
         if stopped_at is None and write is not None:
+            if on_response is not None:
+                on_response(response)
             shown, hit = text.feed(response.text)
             if shown:
                 write(shown)
@@ -243,6 +251,7 @@ def stream(
         generated,
         finish,
         (first - start) if first else None,
+        stop_sequence=text.stop.hit,
     )
     return Answer(text.text, tokens, stats)
 
@@ -256,6 +265,7 @@ def answer_stats(
     finish: str | None,
     ttft: float | None,
     cached: int = 0,
+    stop_sequence: str | None = None,
 ) -> dict:
     """usage and timings in the shape llama-server reports them. ``decoded`` tokens ran at
     ``generation_tps``; ``generated`` of them count for the answer (not those after a stop);
@@ -280,6 +290,7 @@ def answer_stats(
             "cache_n": cached,
         },
         "time_to_first_token_s": ttft,
+        "stop_sequence": stop_sequence,
     }
 
 

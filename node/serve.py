@@ -4,8 +4,10 @@ The HTTP API lives in the launcher (cluster/api.py), so that it outlives the ran
 launcher sends rank 0 each request as one JSON line on its channel (stdin, through
 node.watchdog's watcher): ``{"op": "request", ...}`` (a cluster.spec.ServeRequest) or
 ``{"op": "cancel", "id": ...}``; END_OF_INPUT asks for a drain. Rank 0 answers with events:
-``Piece`` (the next text of a request), ``Stats`` (its end, with its id) and ``Refused`` (a
-request it cannot take: a template that does not render).
+``Piece`` (the next text of a request, in its channel: reasoning or content), ``ToolCall`` (a
+tool call parsed from it, node.parts), ``Stats`` (its end, with its id), ``Counted`` (the
+prompt tokens of a request that only counts them) and ``Refused`` (a request it cannot take:
+a template that does not render).
 
 Rank 0's main thread turns requests into prompt tokens and, once a round, shares an order with
 the other ranks (share_object, plain JSON: nothing from the network is ever unpickled): which
@@ -29,10 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from cluster.protocol import END_OF_INPUT, Memory, Piece, Refused, Serving, Stats
+from cluster.protocol import END_OF_INPUT, Counted, Memory, Refused, Serving, Stats
 from cluster.spec import JobSpec, ServeRequest, from_dict
 
 from .generate import AnswerText, answer_stats, answer_text
+from .parts import Parts, token_logprobs
 from .sampling import settings
 from .watchdog import progress
 
@@ -46,6 +49,7 @@ class Job:
 
     request: ServeRequest
     cancel: threading.Event = field(default_factory=threading.Event)
+    parts: Parts | None = None  # its text as the API returns it (set once it is scheduled)
 
 
 class Inbox:
@@ -108,7 +112,7 @@ class Inbox:
 def prompt_of(request: ServeRequest, tokenizer) -> list[int]:
     from .generate import render
 
-    if request.kind == "chat":
+    if request.kind in ("chat", "count"):
         return render(tokenizer, request.messages, request.template)
     return tokenizer.encode(request.prompt)
 
@@ -148,8 +152,13 @@ class Scheduler:
         self.drain_deadline: float | None = None
 
     def piece(self, job: Job, text: str) -> None:
-        if text:
-            self.emit(Piece(job.request.id, text))
+        job.parts.feed(text)
+
+    def logprobs(self, job: Job, response) -> None:
+        """Rank 0 keeps a token's logprobs when its request asked for them."""
+        top = job.request.logprobs
+        if top is not None and response.logprobs is not None:
+            job.parts.token(token_logprobs(self.tokenizer, response.token, response.logprobs, top))
 
     def take(self, job: Job | None) -> None:
         """A request into the waiting line, or refused back to the launcher."""
@@ -164,7 +173,12 @@ class Scheduler:
         except Exception as e:  # a template that cannot render these messages
             self.emit(Refused(job.request.id, 400, f"cannot build the prompt: {e}"))
             return self.inbox.ended(job)
-        request = {"tokens": tokens, **settings(job.request.sampling)}
+        r = job.request
+        if r.kind == "count":
+            self.emit(Counted(r.id, len(tokens)))
+            return self.inbox.ended(job)
+        job.parts = Parts(r.id, self.tokenizer, r.template.tools, r.kind == "chat", self.emit)
+        request = {"tokens": tokens, **settings(r.sampling)}
         self.waiting.append((job, request))
 
     def order(self, live: int) -> dict | None:
@@ -240,6 +254,7 @@ class Scheduler:
         now = time.perf_counter()
         one.first = one.first or now
         one.last, one.n = now, one.n + 1
+        self.logprobs(one.job, r)
         if r.finish_reason != "stop":  # an end-of-sequence token has no text
             one.detokenizer.add_token(r.token)
         if r.finish_reason is not None:
@@ -270,10 +285,15 @@ class Scheduler:
             reason,
             (one.first - one.inserted) if one.first else None,
             one.cached,
+            one.text.stop.hit,
         )
         self.answered(one.job, stats)
 
     def answered(self, job: Job, stats: dict) -> None:
+        """The end of an answer: what its parts still hold, then its stats (a tool call
+        that ended the answer makes it finish with "tool_calls", as OpenAI's do)."""
+        if job.parts.finish() and stats["finish_reason"] == "stop":
+            stats = {**stats, "finish_reason": "tool_calls"}
         self.emit(Stats(**stats, request=job.request.id))
         self.inbox.ended(job)
 
@@ -343,6 +363,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
                     group,
                     cancelled=job.cancel.is_set if rank0 else None,
                     cancellable=True,
+                    on_response=functools.partial(scheduler.logprobs, job) if rank0 else None,
                 )
                 if rank0:
                     scheduler.inserting = []

@@ -140,6 +140,22 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tool_model(tmp_path_factory):
+    """A tiny model trained to call a weather tool (tests/toolmodel.py), trained in a
+    subprocess so that it gets OpenBLAS as ranks do (about 10 s instead of 100)."""
+    from cluster.blas import blas_env
+
+    out = tmp_path_factory.mktemp("toolmodel") / "m"
+    env = {**os.environ}
+    env.update(blas_env("auto", 1, env, sys.platform, os.cpu_count()) or {})
+    here = Path(__file__).parent
+    subprocess.run(
+        [sys.executable, str(here / "toolmodel.py"), str(out)], env=env, check=True, timeout=600
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
 def sshd(tmp_path_factory):
     """A real OpenSSH server on 127.0.0.1 (see tests/sshd.py)."""
     from sshd import SSHD, start_sshd

@@ -10,6 +10,7 @@ import socket
 from conftest import invoke
 
 from cluster.api import END, RESTART, ApiRequest, RequestError
+from cluster.api_openai import ChatCompletions
 from cluster.hostfile import parse_hostfile
 from cluster.jobstate import JobState, RankState
 from cluster.launcher import LaunchError
@@ -34,7 +35,8 @@ def start_job(svc: Service, sent: list[bytes]) -> None:
 
 def request(stream: bool) -> ApiRequest:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
-    return ApiRequest("chat", body, stream, "m")
+    chat = ChatCompletions()
+    return ApiRequest(chat, chat.parse(body, {"m"}), stream, "m", body)
 
 
 def drain(job: ApiRequest) -> list:
@@ -76,9 +78,9 @@ def test_a_failed_job_cuts_streams_under_way_and_decodes_the_rest_again():
     svc.on_event(0, Piece(plain.id, "Hel"))
     svc.on_event(0, Piece(shown_stream.id, "Hel"))
     svc.job_ended(LaunchError("error: rank 1 of 2 on b.local exited with code -9\nmore"))
-    assert drain(plain) == ["Hel", RESTART]
+    assert drain(plain) == [Piece(plain.id, "Hel"), RESTART]
     items = drain(shown_stream)
-    assert items[0] == "Hel" and isinstance(items[1], RequestError)
+    assert items[0] == Piece(shown_stream.id, "Hel") and isinstance(items[1], RequestError)
     assert items[1].status == 502 and "the answer was cut: rank 1 of 2 on b.local" in str(items[1])
     assert drain(quiet_stream) == []
     assert [j.id for j in svc.pending] == [plain.id, quiet_stream.id]
@@ -90,7 +92,7 @@ def test_a_failed_job_cuts_streams_under_way_and_decodes_the_rest_again():
     usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     svc.on_event(0, Piece(plain.id, "Hello"))
     svc.on_event(0, Stats("length", usage, {}, request=plain.id))
-    assert drain(plain) == ["Hello", END] and plain.result["usage"] == usage
+    assert drain(plain) == [Piece(plain.id, "Hello"), END] and plain.result["usage"] == usage
     metrics = svc.metrics.exposition().decode()
     assert 'mlx_cluster_requests_total{status="200"} 1.0' in metrics
     assert 'mlx_cluster_requests_total{status="stream_error"} 1.0' in metrics

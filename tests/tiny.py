@@ -182,8 +182,10 @@ def train_tokenizer(
     vocab_size: int = 512,
     chat_template: str | None = None,
     extra_special=(),
+    corpus: list[str] | None = None,
     **special_tokens,
 ):
+    """A byte-level BPE tokenizer trained on ``corpus`` (by default some of pydoc's topics)."""
     from pydoc_data.topics import topics
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -198,7 +200,7 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(list(topics.values())[:20], trainer)
+    tok.train_from_iterator(corpus or list(topics.values())[:20], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, **special_tokens)
     if chat_template:
         fast.chat_template = chat_template

@@ -1,0 +1,377 @@
+"""Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens).
+
+``system``, the messages' content blocks (text, ``tool_use``, ``tool_result``) and the tools'
+``input_schema`` become OpenAI-style chat messages and tools, which rank 0 renders with the
+model's template; the answer comes back as content blocks (``thinking``, ``text``,
+``tool_use``) with Anthropic's stop reasons, whole or as its stream events. Errors have
+Anthropic's shape. The key is ``--api-key``, sent as ``x-api-key`` (or a bearer token).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .api import (
+    Answer,
+    ApiRequest,
+    RequestError,
+    assistant_calls,
+    call_id,
+    check_model,
+    check_object,
+    function_tool,
+    positive,
+    sampling,
+    stop_strings,
+)
+from .api_openai import tool_choice
+from .protocol import Piece, ToolCall
+from .spec import Sampling, ServeRequest, Template
+
+SAMPLING_FIELDS = {
+    "temperature": ("temp", (int, float)),
+    "top_p": ("top_p", (int, float)),
+    "top_k": ("top_k", (int,)),
+}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "cancelled": "end_turn"}
+
+
+def text_blocks(content: Any, where: str) -> str:
+    """A string, or a list of text blocks, as text."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        raise RequestError(400, f"{where}: content must be a string or a list of blocks")
+    texts = []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text":
+            raise RequestError(400, f"{where}: blocks of type {kind!r} are not supported here")
+        texts.append(str(block.get("text", "")))
+    return "".join(texts)
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """``system`` and ``messages`` as OpenAI chat messages: tool_use blocks become the
+    assistant's tool_calls, tool_result blocks become tool messages."""
+    out: list[dict] = []
+    if body.get("system") is not None:
+        out.append({"role": "system", "content": text_blocks(body["system"], "system")})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages: must be a non-empty list")
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise RequestError(400, f"{where}: 'role' must be user or assistant")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise RequestError(400, f"{where}: content must be a string or a list of blocks")
+        texts, calls, thinking, results = [], [], "", 0
+        for j, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            here = f"{where}.content.{j}"
+            if kind == "text":
+                texts.append(str(block.get("text", "")))
+            elif kind == "tool_use" and m["role"] == "assistant":
+                if not isinstance(block.get("name"), str):
+                    raise RequestError(400, f"{here}: tool_use needs its 'name'")
+                calls.append((block.get("id"), block["name"], block.get("input") or {}))
+            elif kind == "tool_result" and m["role"] == "user":
+                result = text_blocks(block.get("content"), here)
+                if block.get("is_error"):
+                    result = f"Error: {result}"
+                message = {"role": "tool", "content": result}
+                if block.get("tool_use_id") is not None:
+                    message["tool_call_id"] = str(block["tool_use_id"])
+                out.append(message)
+                results += 1
+            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+                thinking += str(block.get("thinking", ""))
+            else:
+                raise RequestError(
+                    400, f"{here}: blocks of type {kind!r} are not supported in a {m['role']} turn"
+                )
+        if texts or calls or not results:
+            message = {"role": m["role"], "content": "".join(texts)}
+            if calls:
+                message["tool_calls"] = assistant_calls(calls)
+            if thinking:
+                message["reasoning_content"] = thinking
+            out.append(message)
+    return out
+
+
+def anthropic_tools(tools: Any, choice: Any) -> list | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError(400, "tools: must be a list")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise RequestError(
+                400, f"tools.{i}: server tools ({kind!r}) are not supported (client tools only)"
+            )
+        out.append(
+            function_tool(
+                tool.get("name"), tool.get("description"), tool.get("input_schema"), f"tools.{i}"
+            )
+        )
+    return tool_choice(choice, out, "tool_choice", ("auto", "none"))
+
+
+def thinking_switch(body: dict) -> bool | None:
+    thinking = body.get("thinking")
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    return {"enabled": True, "adaptive": True, "disabled": False}.get(kind)
+
+
+def error_body(e: RequestError) -> dict:
+    kind = ERROR_TYPES.get(e.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": str(e)}}
+
+
+def usage_of(result: dict) -> dict:
+    usage = result.get("usage") or {}
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": usage.get("prompt_tokens", 0) - cached,
+        "output_tokens": usage.get("completion_tokens", 0),
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def stop_reason(result: dict) -> str:
+    if result.get("stop_sequence"):
+        return "stop_sequence"
+    return STOP_REASONS.get(result.get("finish_reason"), "end_turn")
+
+
+def tool_input(call: ToolCall) -> dict:
+    try:
+        value = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        return {"arguments": call.arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+class Messages:
+    def parse(self, body: Any, model_ids: set[str]) -> ServeRequest:
+        body = check_object(body)
+        check_model(body, model_ids)
+        max_tokens = positive(body, "max_tokens")
+        if max_tokens is None:
+            raise RequestError(400, "max_tokens: Field required")
+        return ServeRequest(
+            id="",
+            kind="chat",
+            sampling=sampling(
+                body,
+                SAMPLING_FIELDS,
+                max_tokens,
+                stop_strings(body.get("stop_sequences"), "stop_sequences"),
+            ),
+            template=Template(
+                tools=anthropic_tools(body.get("tools"), body.get("tool_choice")),
+                enable_thinking=thinking_switch(body),
+            ),
+            messages=chat_messages(body),
+        )
+
+    def reply(self, job: ApiRequest, answer: Answer) -> dict:
+        content: list[dict] = []
+        if answer.reasoning:
+            content.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
+        if answer.content or not answer.tool_calls:
+            content.append({"type": "text", "text": answer.content})
+        for call in answer.tool_calls:
+            content.append(tool_use(job, call))
+        return message_body(job, content, answer.result)
+
+    def events(self, job: ApiRequest) -> MessageStream:
+        return MessageStream(job)
+
+    def error_body(self, e: RequestError) -> dict:
+        return error_body(e)
+
+
+def tool_use(job: ApiRequest, call: ToolCall) -> dict:
+    return {
+        "type": "tool_use",
+        "id": call_id(call, "toolu_", job),
+        "name": call.name,
+        "input": tool_input(call),
+    }
+
+
+def message_body(job: ApiRequest, content: list[dict], result: dict | None) -> dict:
+    return {
+        "id": f"msg_{job.id}",
+        "type": "message",
+        "role": "assistant",
+        "model": job.model,
+        "content": content,
+        "stop_reason": stop_reason(result) if result else None,
+        "stop_sequence": (result or {}).get("stop_sequence"),
+        "usage": usage_of(result or {}),
+    }
+
+
+class MessageStream:
+    """message_start, a content block per part (thinking, text, each tool_use), message_delta
+    with the stop reason and usage, message_stop."""
+
+    done = b""
+
+    def __init__(self, job: ApiRequest):
+        self.job = job
+        self.index = -1
+        self.open: str | None = None  # "thinking" or "text" while such a block is open
+
+    def start(self):
+        yield (
+            "message_start",
+            {"type": "message_start", "message": message_body(self.job, [], None)},
+        )
+
+    def opened(self, kind: str):
+        if self.open == kind:
+            return
+        yield from self.close()
+        self.index += 1
+        self.open = kind
+        block = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if kind == "thinking"
+            else {"type": "text", "text": ""}
+        )
+        yield (
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": self.index,
+                "content_block": block,
+            },
+        )
+
+    def close(self):
+        if self.open is None:
+            return
+        if self.open == "thinking":
+            yield (
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": self.index,
+                    "delta": {"type": "signature_delta", "signature": ""},
+                },
+            )
+        yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+        self.open = None
+
+    def piece(self, piece: Piece):
+        if not piece.text:
+            return
+        thinking = piece.channel == "reasoning"
+        yield from self.opened("thinking" if thinking else "text")
+        delta = (
+            {"type": "thinking_delta", "thinking": piece.text}
+            if thinking
+            else {"type": "text_delta", "text": piece.text}
+        )
+        yield (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": self.index,
+                "delta": delta,
+            },
+        )
+
+    def tool_call(self, call: ToolCall):
+        yield from self.close()
+        self.index += 1
+        block = {**tool_use(self.job, call), "input": {}}
+        yield (
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": self.index,
+                "content_block": block,
+            },
+        )
+        yield (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": self.index,
+                "delta": {"type": "input_json_delta", "partial_json": json.dumps(tool_input(call))},
+            },
+        )
+        yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+
+    def end(self, answer: Answer):
+        if self.index < 0:  # an empty answer is still a text block
+            yield from self.opened("text")
+        yield from self.close()
+        result = answer.result
+        yield (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {
+                    "stop_reason": stop_reason(result),
+                    "stop_sequence": result.get("stop_sequence"),
+                },
+                "usage": usage_of(result),
+            },
+        )
+        yield "message_stop", {"type": "message_stop"}
+
+    def fail(self, e: RequestError):
+        yield "error", error_body(e)
+
+
+class CountTokens:
+    """/v1/messages/count_tokens: the prompt as the template renders it, counted on rank 0."""
+
+    def parse(self, body: Any, model_ids: set[str]) -> ServeRequest:
+        body = check_object(body)
+        check_model(body, model_ids)
+        return ServeRequest(
+            id="",
+            kind="count",
+            sampling=Sampling(max_tokens=1),
+            template=Template(
+                tools=anthropic_tools(body.get("tools"), body.get("tool_choice")),
+                enable_thinking=thinking_switch(body),
+            ),
+            messages=chat_messages(body),
+        )
+
+    def reply(self, job: ApiRequest, answer: Answer) -> dict:
+        return {"input_tokens": answer.result["prompt_tokens"]}
+
+    def events(self, job: ApiRequest):
+        raise AssertionError("count_tokens does not stream")
+
+    def error_body(self, e: RequestError) -> dict:
+        return error_body(e)

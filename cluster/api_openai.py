@@ -1,0 +1,378 @@
+"""OpenAI's chat completions and completions (/v1/chat/completions, /v1/completions).
+
+Tool calls come back as ``message.tool_calls`` (``finish_reason: "tool_calls"``) and stream
+as ``tool_calls`` deltas; the model's reasoning comes apart from its answer as
+``reasoning_content`` (as DeepSeek's API and mlx_lm.server do); ``logprobs`` and
+``top_logprobs`` as OpenAI's. What serve cannot do is refused with the field named: ``n`` above
+1, a ``response_format`` or ``tool_choice`` that would need constrained decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .api import (
+    Answer,
+    ApiRequest,
+    RequestError,
+    assistant_calls,
+    call_id,
+    check_model,
+    check_object,
+    error_body,
+    function_tool,
+    number,
+    positive,
+    sampling,
+    stop_strings,
+)
+from .protocol import Piece, ToolCall
+from .spec import ServeRequest, Template
+
+SAMPLING_FIELDS = {  # OpenAI field -> (our setting, accepted types)
+    "temperature": ("temp", (int, float)),
+    "top_p": ("top_p", (int, float)),
+    "top_k": ("top_k", (int,)),
+    "min_p": ("min_p", (int, float)),
+    "seed": ("seed", (int,)),
+    "presence_penalty": ("presence_penalty", (int, float)),
+    "frequency_penalty": ("frequency_penalty", (int, float)),
+    "repetition_penalty": ("repetition_penalty", (int, float)),
+}
+MAX_TOP_LOGPROBS = 20
+CONSTRAINED = (
+    "serve does not constrain decoding to a format; ask for it in the prompt (or drop the field)"
+)
+
+
+def check_n(body: dict) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise RequestError(400, "'n' above 1 is not supported: send n requests (they batch)")
+
+
+def check_response_format(value: Any, name: str) -> None:
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind != "text":
+        raise RequestError(400, f"'{name}' of type {kind!r} is not supported: {CONSTRAINED}")
+
+
+def chat_tools(tools: Any, choice: Any) -> list | None:
+    """Chat completions' tools for the template (None when there are none or none may be
+    called); a tool_choice that forces a call is refused."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError(400, "'tools' must be a list")
+    out = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise RequestError(400, f"tools[{i}]: only tools of type 'function' are supported")
+        if not isinstance(function, dict):
+            raise RequestError(400, f"tools[{i}] needs a 'function' object")
+        out.append(
+            function_tool(
+                function.get("name"),
+                function.get("description"),
+                function.get("parameters"),
+                f"tools[{i}]",
+            )
+        )
+    return tool_choice(choice, out, "tool_choice", ("auto", "none"))
+
+
+def tool_choice(choice: Any, tools: list, name: str, allowed: tuple) -> list | None:
+    """The tools the template gets under ``choice`` (one of ``allowed``: auto, none)."""
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    if choice is None or kind == "auto":
+        return tools or None
+    if kind == "none":
+        return None
+    raise RequestError(
+        400,
+        f"'{name}' {kind!r} is not supported: serve cannot force a tool call (it does not "
+        f"constrain decoding); use {' or '.join(repr(a) for a in allowed)}",
+    )
+
+
+def text_of(content: Any, where: str) -> str:
+    """A message's content as text: a string, or a list of text parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise RequestError(400, f"{where}: 'content' must be a string or a list of parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text", "output_text"):
+            raise RequestError(
+                400, f"{where}: content parts of type {kind!r} are not supported (text only)"
+            )
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+def chat_message(m: Any, i: int) -> dict:
+    """One OpenAI chat message in the form chat templates take."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise RequestError(400, f"{where} must be an object with a 'role'")
+    role = "system" if m["role"] == "developer" else m["role"]
+    out: dict[str, Any] = {"role": role, "content": text_of(m.get("content"), where)}
+    if role == "assistant":
+        calls = m.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise RequestError(400, f"{where}: 'tool_calls' must be a list")
+        triples = []
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise RequestError(400, f"{where}: each tool call needs a function and its name")
+            triples.append((call.get("id"), function["name"], function.get("arguments", "{}")))
+        if triples:
+            out["tool_calls"] = assistant_calls(triples)
+        if isinstance(m.get("reasoning_content"), str):
+            out["reasoning_content"] = m["reasoning_content"]
+    elif role == "tool":
+        if m.get("tool_call_id") is not None:
+            out["tool_call_id"] = str(m["tool_call_id"])
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    return out
+
+
+def chat_logprobs(body: dict) -> int | None:
+    top = number(body, "top_logprobs", (int,))
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(400, f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
+    if not body.get("logprobs"):
+        if top:
+            raise RequestError(400, "'top_logprobs' needs 'logprobs': true")
+        return None
+    return top or 0
+
+
+def template_switches(body: dict) -> dict:
+    """reasoning_effort, and chat_template_kwargs' enable_thinking (as vLLM takes it)."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise RequestError(400, "'chat_template_kwargs' must be an object")
+    effort = body.get("reasoning_effort", kwargs.get("reasoning_effort"))
+    thinking = kwargs.get("enable_thinking")
+    return {
+        "reasoning_effort": effort if isinstance(effort, str) else None,
+        "enable_thinking": thinking if isinstance(thinking, bool) else None,
+    }
+
+
+class ChatCompletions:
+    def parse(self, body: Any, model_ids: set[str]) -> ServeRequest:
+        body = check_object(body)
+        check_model(body, model_ids)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "'messages' must be a non-empty list")
+        check_n(body)
+        check_response_format(body.get("response_format"), "response_format")
+        tools = chat_tools(body.get("tools"), body.get("tool_choice"))
+        return ServeRequest(
+            id="",
+            kind="chat",
+            sampling=sampling(
+                body,
+                SAMPLING_FIELDS,
+                positive(body, "max_completion_tokens", "max_tokens"),
+                stop_strings(body.get("stop"), "stop"),
+            ),
+            template=Template(tools=tools, **template_switches(body)),
+            messages=[chat_message(m, i) for i, m in enumerate(messages)],
+            seeded=body.get("seed") is not None,
+            logprobs=chat_logprobs(body),
+        )
+
+    def reply(self, job: ApiRequest, answer: Answer) -> dict:
+        result = answer.result
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": answer.content if answer.content or not answer.tool_calls else None,
+        }
+        if answer.reasoning:
+            message["reasoning_content"] = answer.reasoning
+        if answer.tool_calls:
+            message["tool_calls"] = [tool_call(job, c) for c in answer.tool_calls]
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": {"content": answer.logprobs} if job.request.logprobs is not None else None,
+            "finish_reason": result["finish_reason"],
+        }
+        return body_of(job, "chat.completion", [choice], result)
+
+    def events(self, job: ApiRequest) -> ChatStream:
+        return ChatStream(job)
+
+    def error_body(self, e: RequestError) -> dict:
+        return error_body(e)
+
+
+def tool_call(job: ApiRequest, call: ToolCall, streaming: bool = False) -> dict:
+    out = {
+        "id": call_id(call, "call_", job),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    return {"index": call.index, **out} if streaming else out
+
+
+def body_of(job: ApiRequest, obj: str, choices: list, result: dict | None) -> dict:
+    body = {
+        "id": ("chatcmpl-" if obj.startswith("chat") else "cmpl-") + job.id,
+        "object": obj,
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+    }
+    if result is not None:
+        body["usage"] = result["usage"]
+        if "timings" in result:
+            body["timings"] = result["timings"]
+    return body
+
+
+class ChatStream:
+    done = b"data: [DONE]\n\n"
+
+    def __init__(self, job: ApiRequest):
+        self.job = job
+
+    def chunk(self, delta: dict, finish: str | None = None, logprobs=None) -> tuple:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return None, body_of(self.job, "chat.completion.chunk", [choice], None)
+
+    def start(self):
+        yield self.chunk({"role": "assistant", "content": ""})
+
+    def piece(self, piece: Piece):
+        if not piece.text and not piece.logprobs:
+            return
+        key = "reasoning_content" if piece.channel == "reasoning" else "content"
+        yield self.chunk(
+            {key: piece.text}, logprobs={"content": piece.logprobs} if piece.logprobs else None
+        )
+
+    def tool_call(self, call: ToolCall):
+        yield self.chunk({"tool_calls": [tool_call(self.job, call, streaming=True)]})
+
+    def end(self, answer: Answer):
+        yield self.chunk({}, answer.result["finish_reason"])
+        options = self.job.body.get("stream_options") or {}
+        if options.get("include_usage"):
+            usage = body_of(self.job, "chat.completion.chunk", [], answer.result)
+            usage.pop("timings", None)
+            yield None, usage
+
+    def fail(self, e: RequestError):
+        yield None, error_body(e)
+
+
+# Completions
+
+
+def legacy_logprobs(entries: list[dict], offset: int = 0) -> dict:
+    """The completions endpoint's logprobs shape, from OpenAI chat's entries."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+class Completions:
+    def parse(self, body: Any, model_ids: set[str]) -> ServeRequest:
+        body = check_object(body)
+        check_model(body, model_ids)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError(400, "'prompt' must be a non-empty string")
+        check_n(body)
+        if body.get("echo"):
+            raise RequestError(400, "'echo' is not supported")
+        if (body.get("best_of") or 1) != 1:
+            raise RequestError(400, "'best_of' above 1 is not supported")
+        top = number(body, "logprobs", (int,))
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(400, f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
+        return ServeRequest(
+            id="",
+            kind="completion",
+            sampling=sampling(
+                body,
+                SAMPLING_FIELDS,
+                positive(body, "max_tokens"),
+                stop_strings(body.get("stop"), "stop"),
+            ),
+            prompt=prompt,
+            seeded=body.get("seed") is not None,
+            logprobs=top,
+        )
+
+    def reply(self, job: ApiRequest, answer: Answer) -> dict:
+        wanted = job.request.logprobs is not None
+        choice = {
+            "index": 0,
+            "text": answer.content,
+            "logprobs": legacy_logprobs(answer.logprobs) if wanted else None,
+            "finish_reason": answer.result["finish_reason"],
+        }
+        return body_of(job, "text_completion", [choice], answer.result)
+
+    def events(self, job: ApiRequest) -> CompletionStream:
+        return CompletionStream(job)
+
+    def error_body(self, e: RequestError) -> dict:
+        return error_body(e)
+
+
+class CompletionStream:
+    done = b"data: [DONE]\n\n"
+
+    def __init__(self, job: ApiRequest):
+        self.job = job
+        self.offset = 0
+
+    def chunk(self, text: str, finish: str | None = None, logprobs=None) -> tuple:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return None, body_of(self.job, "text_completion", [choice], None)
+
+    def start(self):
+        return ()
+
+    def piece(self, piece: Piece):
+        if piece.text or piece.logprobs:
+            logprobs = legacy_logprobs(piece.logprobs, self.offset) if piece.logprobs else None
+            self.offset += sum(len(e["token"]) for e in piece.logprobs or [])
+            yield self.chunk(piece.text, logprobs=logprobs)
+
+    def tool_call(self, call: ToolCall):
+        return ()
+
+    def end(self, answer: Answer):
+        yield self.chunk("", answer.result["finish_reason"])
+        options = self.job.body.get("stream_options") or {}
+        if options.get("include_usage"):
+            usage = body_of(self.job, "text_completion", [], answer.result)
+            usage.pop("timings", None)
+            yield None, usage
+
+    def fail(self, e: RequestError):
+        yield None, error_body(e)

@@ -1,0 +1,367 @@
+"""OpenAI's Responses API (/v1/responses).
+
+``input`` (a string, or items: messages, function calls and their outputs) and
+``instructions`` become the chat messages rank 0 renders with the model's template; function
+tools become the template's tools. The answer comes back as output items (reasoning, a message,
+function calls), whole or as the typed stream events of the API. This server keeps no
+responses: ``previous_response_id`` is refused, and a client sends the conversation in
+``input`` (as it does with ``store: false``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .api import (
+    Answer,
+    ApiRequest,
+    RequestError,
+    assistant_calls,
+    call_id,
+    check_model,
+    check_object,
+    error_body,
+    function_tool,
+    number,
+    positive,
+    sampling,
+)
+from .api_openai import MAX_TOP_LOGPROBS, check_response_format, text_of, tool_choice
+from .protocol import Piece, ToolCall
+from .spec import ServeRequest, Template
+
+SAMPLING_FIELDS = {
+    "temperature": ("temp", (int, float)),
+    "top_p": ("top_p", (int, float)),
+    "top_k": ("top_k", (int,)),
+    "seed": ("seed", (int,)),
+}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def input_messages(body: dict) -> list[dict]:
+    """``instructions`` and ``input`` as chat messages (consecutive function calls become one
+    assistant message with several tool calls)."""
+    messages: list[dict] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise RequestError(400, "'instructions' must be a string")
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise RequestError(400, "'input' must be a non-empty string or list of items")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(400, f"{where} must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise RequestError(400, f"{where}: 'role' must be user, assistant or system")
+            role = "system" if role == "developer" else role
+            messages.append({"role": role, "content": text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str):
+                raise RequestError(400, f"{where}: a function_call needs its 'name'")
+            call = (item.get("call_id"), item["name"], item.get("arguments", "{}"))
+            last = messages[-1] if messages else None
+            if last and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"] += assistant_calls([call])
+            else:
+                messages.append(
+                    {"role": "assistant", "content": "", "tool_calls": assistant_calls([call])}
+                )
+        elif kind == "function_call_output":
+            output = item.get("output")
+            output = output if isinstance(output, str) else text_of(output, where)
+            message = {"role": "tool", "content": output}
+            if item.get("call_id") is not None:
+                message["tool_call_id"] = str(item["call_id"])
+            messages.append(message)
+        elif kind == "reasoning":
+            continue  # the model's earlier reasoning: templates drop it from the history
+        else:
+            raise RequestError(400, f"{where}: input items of type {kind!r} are not supported")
+    return messages
+
+
+def response_tools(tools: Any, choice: Any) -> list | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError(400, "'tools' must be a list")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise RequestError(
+                400, f"tools[{i}]: tools of type {kind!r} are not supported (function only)"
+            )
+        out.append(
+            function_tool(
+                tool.get("name"), tool.get("description"), tool.get("parameters"), f"tools[{i}]"
+            )
+        )
+    return tool_choice(choice, out, "tool_choice", ("auto", "none"))
+
+
+class Responses:
+    def parse(self, body: Any, model_ids: set[str]) -> ServeRequest:
+        body = check_object(body)
+        check_model(body, model_ids)
+        if body.get("previous_response_id") is not None:
+            raise RequestError(
+                400,
+                "'previous_response_id' is not supported: this server keeps no responses; "
+                "send the whole conversation in 'input'",
+            )
+        text = body.get("text") or {}
+        check_response_format(text.get("format") if isinstance(text, dict) else text, "text.format")
+        reasoning = body.get("reasoning") or {}
+        effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+        include = body.get("include") or []
+        top = number(body, "top_logprobs", (int,))
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(400, f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
+        wanted = LOGPROBS_INCLUDE in include if isinstance(include, list) else False
+        return ServeRequest(
+            id="",
+            kind="chat",
+            sampling=sampling(body, SAMPLING_FIELDS, positive(body, "max_output_tokens"), []),
+            template=Template(
+                tools=response_tools(body.get("tools"), body.get("tool_choice")),
+                reasoning_effort=effort if isinstance(effort, str) else None,
+            ),
+            messages=input_messages(body),
+            seeded=body.get("seed") is not None,
+            logprobs=(top or 0) if wanted or top else None,
+        )
+
+    def reply(self, job: ApiRequest, answer: Answer) -> dict:
+        items = []
+        if answer.reasoning:
+            items.append(reasoning_item(job, answer.reasoning))
+        if answer.content or not answer.tool_calls:
+            items.append(message_item(job, answer.content, answer.logprobs))
+        items += [function_item(job, c) for c in answer.tool_calls]
+        return response_body(job, items, answer.result)
+
+    def events(self, job: ApiRequest) -> ResponseStream:
+        return ResponseStream(job)
+
+    def error_body(self, e: RequestError) -> dict:
+        return error_body(e)
+
+
+def reasoning_item(job: ApiRequest, text: str, done: bool = True) -> dict:
+    return {
+        "id": f"rs_{job.id}",
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}] if done else [],
+        "status": "completed" if done else "in_progress",
+    }
+
+
+def output_text(text: str, logprobs: list[dict]) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def message_item(job: ApiRequest, text: str, logprobs: list[dict], done: bool = True) -> dict:
+    return {
+        "id": f"msg_{job.id}",
+        "type": "message",
+        "role": "assistant",
+        "status": "completed" if done else "in_progress",
+        "content": [output_text(text, logprobs)] if done else [],
+    }
+
+
+def function_item(job: ApiRequest, call: ToolCall, done: bool = True) -> dict:
+    return {
+        "id": f"fc_{job.id}{call.index}",
+        "type": "function_call",
+        "call_id": call_id(call, "call_", job),
+        "name": call.name,
+        "arguments": call.arguments if done else "",
+        "status": "completed" if done else "in_progress",
+    }
+
+
+def response_body(job: ApiRequest, output: list[dict], result: dict | None,
+                  status: str | None = None) -> dict:  # fmt: skip
+    """The response object: in progress (no result yet) or ended (its usage, its status)."""
+    body = job.body
+    incomplete = None
+    if result is not None:
+        reason = result.get("finish_reason")
+        if reason == "length":
+            incomplete = {"reason": "max_output_tokens"}
+        elif reason == "cancelled":
+            incomplete = {"reason": "cancelled"}
+        status = status or ("incomplete" if incomplete else "completed")
+    out = {
+        "id": f"resp_{job.id}",
+        "object": "response",
+        "created_at": job.created,
+        "status": status or "in_progress",
+        "model": job.model,
+        "output": output,
+        "instructions": body.get("instructions"),
+        "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice") or "auto",
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "previous_response_id": None,
+        "reasoning": body.get("reasoning"),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "metadata": body.get("metadata") or {},
+        "store": False,
+        "error": None,
+        "incomplete_details": incomplete,
+        "usage": None,
+    }
+    if result is not None and "usage" in result:
+        usage = result["usage"]
+        out["usage"] = {
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {
+                "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            },
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"],
+        }
+    return out
+
+
+class ResponseStream:
+    """The typed events, each with its sequence number. The reasoning item and the message
+    open when their first text arrives and close before the next item opens."""
+
+    done = b""
+
+    def __init__(self, job: ApiRequest):
+        self.job = job
+        self.sequence = 0
+        self.items: list[dict] = []  # output items done so far
+        self.open: str | None = None  # "reasoning" or "message" while one is open
+        self.text = ""
+        self.logprobs: list[dict] = []
+
+    def event(self, kind: str, **fields) -> tuple[str, dict]:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return kind, payload
+
+    def start(self):
+        yield self.event("response.created", response=response_body(self.job, [], None))
+        yield self.event("response.in_progress", response=response_body(self.job, [], None))
+
+    def opened(self, kind: str):
+        """Open an item of ``kind`` (closing another first)."""
+        if self.open == kind:
+            return
+        yield from self.close()
+        self.open, self.text, self.logprobs = kind, "", []
+        index = len(self.items)
+        if kind == "reasoning":
+            item = reasoning_item(self.job, "", done=False)
+            yield self.event("response.output_item.added", output_index=index, item=item)
+        else:
+            item = message_item(self.job, "", [], done=False)
+            yield self.event("response.output_item.added", output_index=index, item=item)
+            yield self.event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=output_text("", []),
+            )
+
+    def close(self):
+        index = len(self.items)
+        if self.open == "reasoning":
+            item = reasoning_item(self.job, self.text)
+            yield self.event(
+                "response.reasoning_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=self.text,
+            )
+        elif self.open == "message":
+            item = message_item(self.job, self.text, self.logprobs)
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            yield self.event(
+                "response.output_text.done", **where, text=self.text, logprobs=self.logprobs
+            )
+            yield self.event("response.content_part.done", **where, part=item["content"][0])
+        else:
+            return
+        yield self.event("response.output_item.done", output_index=index, item=item)
+        self.items.append(item)
+        self.open = None
+
+    def piece(self, piece: Piece):
+        if not piece.text and not piece.logprobs:
+            return
+        kind = "reasoning" if piece.channel == "reasoning" else "message"
+        yield from self.opened(kind)
+        self.text += piece.text
+        index = len(self.items)
+        if kind == "reasoning":
+            yield self.event(
+                "response.reasoning_text.delta",
+                item_id=f"rs_{self.job.id}",
+                output_index=index,
+                content_index=0,
+                delta=piece.text,
+            )
+        else:
+            self.logprobs += piece.logprobs or []
+            yield self.event(
+                "response.output_text.delta",
+                item_id=f"msg_{self.job.id}",
+                output_index=index,
+                content_index=0,
+                delta=piece.text,
+                logprobs=piece.logprobs or [],
+            )
+
+    def tool_call(self, call: ToolCall):
+        yield from self.close()
+        index = len(self.items)
+        item = function_item(self.job, call, done=False)
+        yield self.event("response.output_item.added", output_index=index, item=item)
+        where = {"item_id": item["id"], "output_index": index}
+        yield self.event("response.function_call_arguments.delta", **where, delta=call.arguments)
+        yield self.event(
+            "response.function_call_arguments.done",
+            **where,
+            name=call.name,
+            arguments=call.arguments,
+        )
+        item = function_item(self.job, call)
+        yield self.event("response.output_item.done", output_index=index, item=item)
+        self.items.append(item)
+
+    def end(self, answer: Answer):
+        if not self.items and self.open is None:  # an empty answer is still a message
+            yield from self.opened("message")
+        yield from self.close()
+        body = response_body(self.job, self.items, answer.result)
+        kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+        yield self.event(kind, response=body)
+
+    def fail(self, e: RequestError):
+        yield from self.close()
+        body = response_body(self.job, self.items, None, status="failed")
+        body["error"] = {"code": "server_error", "message": str(e)}
+        yield self.event("response.failed", response=body)
