@@ -1,5 +1,5 @@
-"""`serve` that outlives its ranks: the API (cluster/api.py) runs in this process, the ranks run
-as a job (cluster/launcher.py), and a failed job is started again.
+"""`serve` that outlives its ranks: the API (cluster/apiserver.py) runs in this process, the
+ranks run as a job (cluster/launcher.py), and a failed job is started again.
 
 Requests wait in ``pending`` while no job is ready (at start, during a restart); a ready rank 0
 gets each one as a JSON line on its channel and answers with events (node/serve.py). When the
@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from .api import END, RESTART, Api, ApiRequest, RequestError
+from .api import END, RESTART, ApiRequest, RequestError
+from .apiserver import Api
 from .hostfile import Host, Hostfile
 from .jobstate import JobState
 from .launcher import Interrupted, LaunchError, log, restore_signals, run_job, trap_signals

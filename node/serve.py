@@ -1,6 +1,6 @@
 """`mlx-cluster serve`, the ranks' side: rank 0 schedules, every rank decodes in lockstep.
 
-The HTTP API lives in the launcher (cluster/api.py), so that it outlives the ranks. The
+The HTTP API lives in the launcher (cluster/apiserver.py), so that it outlives the ranks. The
 launcher sends rank 0 each request as one JSON line on its channel (stdin, through
 node.watchdog's watcher): ``{"op": "request", ...}`` (a cluster.spec.ServeRequest) or
 ``{"op": "cancel", "id": ...}``; END_OF_INPUT asks for a drain. Rank 0 answers with events:
