@@ -78,13 +78,16 @@ class Parts:
         return self.calls > 0
 
     def switch(self, to: str, marker: str) -> None:
+        """Into state ``to``; the whitespace after a marker is dropped, unless the marker
+        closed markup that did not parse (that stays as the model wrote it)."""
+        parsed = True
         if self.state == TOOL:
-            self.parse(self.call, marker)
+            parsed = self.parse(self.call, marker)
             self.call = ""
         elif to == TOOL:
             self.call = ""
         self.state = to
-        self.trim = True
+        self.trim = parsed
 
     def out(self, text: str) -> None:
         if self.state == TOOL:
@@ -103,7 +106,7 @@ class Parts:
                             self.logprobs))  # fmt: skip
             self.logprobs = []
 
-    def parse(self, markup: str, end: str) -> None:
+    def parse(self, markup: str, end: str) -> bool:
         try:
             parsed = self.parser(markup, self.tools)
             calls = parsed if isinstance(parsed, list) else [parsed]
@@ -118,12 +121,13 @@ class Parts:
             self.state = CONTENT
             self.trim = False
             self.out(self.start_marker + markup + end)  # as written: nothing is lost
-            return
+            return False
         for name, arguments, call_id in found:
             if not isinstance(arguments, str):
                 arguments = json.dumps(arguments, ensure_ascii=False)
             self.emit(ToolCall(self.id, self.calls, name, arguments, call_id))
             self.calls += 1
+        return True
 
 
 def token_logprobs(tokenizer, token: int, logprobs, top: int) -> dict[str, Any]:

@@ -77,7 +77,7 @@ def test_openai_chat_agent_loop(agents, stream):
     first, second = chat_loop(agents.openai, agents.model_id, "Paris", stream)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content is None
+    assert not choice.message.content  # None; "" as the stream helper accumulates it
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
     assert choice.message.model_extra["reasoning_content"].strip() == thought("Paris")
     assert second.choices[0].message.content == final_answer("Paris")
@@ -264,15 +264,28 @@ def test_anthropic_count_tokens_stop_sequences_and_errors(agents):
     )
     usage = answer.usage
     assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens > 0
+    answered = [  # the tool's result is in: the model answers "It is 4 degrees in Oslo."
+        *messages,
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}}
+            ],  # fmt: skip
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": weather("Oslo")}],
+        },  # fmt: skip
+    ]
     stopped = agents.anthropic.messages.create(
         model=agents.model_id,
         max_tokens=100,
-        messages=messages,
-        stop_sequences=["weather in"],
-        system="You check the weather.",
+        messages=answered,
+        tools=[ANTHROPIC_TOOL],
+        stop_sequences=["nothing like it", " degrees"],
     )
-    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "weather in"
-    assert "weather in" not in stopped.content[-1].text
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == " degrees"
+    assert [b.text for b in stopped.content] == [final_answer("Oslo").split(" degrees")[0]]
     with pytest.raises(anthropic.BadRequestError) as e:
         agents.anthropic.messages.create(
             model=agents.model_id,
