@@ -83,6 +83,9 @@ def test_openai_chat_agent_loop(agents, stream):
     assert second.choices[0].message.content == final_answer("Paris")
     assert second.choices[0].finish_reason == "stop"
     assert second.choices[0].message.tool_calls is None
+    if not stream:  # the second turn starts from the first one's cached prompt
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert 0 < cached <= first.usage.prompt_tokens
 
 
 @pytest.mark.e2e
@@ -356,3 +359,58 @@ def test_tensor_mode_agent_loop(tool_model):
         assert second.choices[0].message.content == final_answer("Oslo")
     finally:
         assert served.stop() == 0
+
+
+@pytest.mark.e2e
+def test_a_client_that_leaves_each_stream_frees_the_server(agents):
+    """A client that reads the first event of a Messages or Responses stream and hangs up:
+    its answer is dropped on every rank, and the next request is answered."""
+    import http.client
+    import time
+
+    bodies = {
+        "/v1/messages": {
+            "max_tokens": 500,
+            "stream": True,
+            "messages": [{"role": "user", "content": "Tell me a long story"}],
+        },  # fmt: skip
+        "/v1/responses": {
+            "max_output_tokens": 500,
+            "stream": True,
+            "input": "Tell me a long story",
+        },  # fmt: skip
+    }
+    before = cancelled(agents)
+    for path, body in bodies.items():
+        conn = http.client.HTTPConnection("127.0.0.1", agents.port, timeout=60)
+        headers = {"Content-Type": "application/json", "x-api-key": KEY}
+        conn.request("POST", path, json.dumps(body).encode(), headers)
+        response = conn.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"event: ")
+        response.close()  # the server's socket now gets a reset or a broken pipe
+        conn.close()
+    deadline = time.monotonic() + 60
+    health = None
+    while time.monotonic() < deadline:
+        conn = http.client.HTTPConnection("127.0.0.1", agents.port, timeout=60)
+        conn.request("GET", "/health", headers={"Authorization": f"Bearer {KEY}"})
+        health = json.loads(conn.getresponse().read())
+        if health["in_flight"] == 0:
+            break
+        time.sleep(0.1)
+    assert health["in_flight"] == 0 and health["status"] == "ok"
+    assert cancelled(agents) == before + 2
+    _, second = chat_loop(agents.openai, agents.model_id, "Lima", False)
+    assert second.choices[0].message.content == final_answer("Lima")
+
+
+def cancelled(served) -> float:
+    """How many requests /metrics counts as cancelled (their client left)."""
+    import http.client
+    import re
+
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    conn.request("GET", "/metrics", headers={"x-api-key": KEY})
+    metrics = conn.getresponse().read().decode()
+    found = re.search(r'mlx_cluster_requests_total\{status="cancelled"\} ([0-9.]+)', metrics)
+    return float(found.group(1)) if found else 0.0

@@ -318,3 +318,17 @@ def test_a_family_without_an_end_marker_calls_at_the_end():
         ToolCall("r", 0, "f", "{}"),
         ToolCall("r", 1, "g", '{"b": 2}'),
     ]
+
+
+def test_a_stream_cut_by_failed_ranks_ends_in_each_dialects_error_event():
+    cut = RequestError(502, "the answer was cut: rank 1 of 2 exited", "server_error")
+    body = {"max_tokens": 3, "messages": [{"role": "user", "content": "x"}], "input": "x"}
+    for endpoint, name, check in [
+        (ChatCompletions(), None, lambda p: p["error"]["type"] == "server_error"),
+        (Messages(), "error", lambda p: p["error"]["type"] == "api_error"),
+        (Responses(), "response.failed", lambda p: p["response"]["status"] == "failed"),
+    ]:
+        stream = endpoint.events(answer_job(endpoint, body))
+        events = [*stream.start(), *stream.piece(Piece("x", "partial")), *stream.fail(cut)]
+        last_name, last = events[-1]
+        assert last_name == name and check(last) and "rank 1 of 2" in json.dumps(last)

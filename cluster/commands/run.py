@@ -175,11 +175,15 @@ def chat(prompt_cache_gb, **values):
     "restart_wait",
 )
 def serve(**values):
-    """Serve the model with an OpenAI-compatible API until Ctrl-C; the API outlives the ranks.
+    """Serve the model with OpenAI's and Anthropic's APIs until Ctrl-C; the API outlives the
+    ranks.
 
-    Endpoints: GET /v1/models, /health, /metrics (Prometheus), POST /v1/chat/completions and
-    /v1/completions (streaming with SSE, or not). The API runs in this process, on this
-    machine; rank 0 gets each request over the job's own channel. Concurrent requests are
+    Endpoints: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), POST
+    /v1/messages and /v1/messages/count_tokens (Anthropic), streaming with SSE or not; GET
+    /v1/models, /health, /metrics (Prometheus). Tool calls come back parsed (mlx-lm's parser
+    of the model's family), reasoning apart from the answer, logprobs when asked; the key
+    (--api-key) is accepted as a bearer token or x-api-key. The API runs in this process, on
+    this machine; rank 0 gets each request over the job's own channel. Concurrent requests are
     decoded together as one batch, in lockstep on every rank (continuous batching); a request
     with a seed, or a model whose caches cannot be batched, is decoded alone. A client that
     disconnects cancels its answer on every rank.
@@ -198,6 +202,7 @@ def serve(**values):
     Examples:
       mlx-cluster serve --model ./my-model --port 8080
       OPENAI_BASE_URL=http://127.0.0.1:8080/v1 OPENAI_API_KEY=none python my_client.py
+      ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_API_KEY=none python my_agent.py
       curl -s 127.0.0.1:8080/health; curl -s 127.0.0.1:8080/metrics
     """
     from ..serving import serve_until_done
