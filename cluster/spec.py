@@ -90,6 +90,20 @@ class ServeRequest:
 
 
 @dataclass
+class Draft:
+    """Speculative decoding (every rank alike): who proposes the tokens that the sharded model
+    verifies K+1 at a time. At most one of ``draft_model`` and ``prompt_lookup``."""
+
+    draft_model: str | None = None  # a small model with the same tokenizer, whole on each rank
+    num_draft_tokens: int = 3  # K: tokens proposed per verifying pass
+    prompt_lookup: int = 0  # proposals from n-grams (up to this long) of the prompt and answer
+
+    @property
+    def on(self) -> bool:
+        return bool(self.draft_model or self.prompt_lookup)
+
+
+@dataclass
 class BenchSettings:
     """``bench``: one configuration's runs (every rank)."""
 
@@ -113,6 +127,7 @@ class JobSpec:
     request: Request = field(default_factory=Request)
     serve: ServeSettings = field(default_factory=ServeSettings)
     bench: BenchSettings = field(default_factory=BenchSettings)
+    draft: Draft = field(default_factory=Draft)
     blas: str = "auto"  # Linux ranks: "auto" preloads an optimized BLAS when found, "reference"
     ranks_on_host: int = 1  # ranks sharing this rank's host (BLAS threads = cores / this)
     launcher_timeout: float = 30.0  # the rank ends itself when the launcher is silent this long

@@ -76,6 +76,10 @@ def run(spec: JobSpec) -> None:
     emit(Phase("loading"))
     tic = time.perf_counter()
     loaded = load_shard(spec.model, spec.mode, group, spec.split, spec.split_weights)
+    if spec.draft.on:
+        from .draft import load_draft
+
+        loaded.speculation = load_draft(spec.draft, loaded)
     barrier(group)
     emit(Ready(time.perf_counter() - tic, layers=loaded.layers, files=loaded.files))
 
@@ -111,7 +115,14 @@ def run(spec: JobSpec) -> None:
             stats = generate_vlm(loaded.model, loaded.processor, request, write, group)
         else:
             emit(Phase("generating", prompt_tokens=len(request["tokens"])))
-            stats = generate(loaded.model, loaded.tokenizer, request, write, group).stats
+            stats = generate(
+                loaded.model,
+                loaded.tokenizer,
+                request,
+                write,
+                group,
+                speculation=loaded.speculation,
+            ).stats
     emit_memory()
     barrier(group)
     if stats is not None and rank == 0:

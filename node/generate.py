@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -58,6 +58,7 @@ class Answer:
     text: str  # what rank 0 showed (rank 0 only)
     tokens: list[int]  # every token generated, the stop string's too
     stats: dict[str, Any]
+    from_draft: list[bool] = field(default_factory=list)  # per token: a proposal accepted
 
 
 def generate(
@@ -71,15 +72,17 @@ def generate(
     cancelled: Callable[[], bool] | None = None,
     cancellable: bool = False,
     on_response: Callable[[Any], None] | None = None,
+    speculation=None,
 ) -> Answer:
     """Decode ``request`` (identical on every rank); ``write`` gets text segments on rank 0.
 
     With ``prompt_cache`` (holding the start of the prompt), only ``feed`` is prefilled.
     ``cancellable`` (chat, serve: the same on every rank) says rank 0 may cancel the answer;
     ``cancelled`` is how rank 0 learns it; ``on_response`` (rank 0) sees each response before
-    its text (serve's logprobs)."""
-    return stream(
-        token_stream(model, tokenizer, request, prompt_cache, feed),
+    its text (serve's logprobs). With ``speculation`` (node.draft), its proposer drafts and the
+    model verifies K+1 tokens per pass."""
+    answer = stream(
+        token_stream(model, tokenizer, request, prompt_cache, feed, speculation),
         write,
         answer_text(tokenizer, request),
         group,
@@ -88,13 +91,27 @@ def generate(
         cancellable=cancellable,
         on_response=on_response,
     )
+    if speculation is not None:
+        from .draft import draft_counts
+
+        k, most = speculation.k, sampling_of(request).max_tokens
+        drafted, accepted = draft_counts(answer.from_draft, k, most)
+        answer.stats["timings"].update(draft_n=drafted, draft_n_accepted=accepted)
+    return answer
 
 
-def token_stream(model, tokenizer, request: dict, prompt_cache=None, feed=None) -> Iterable[Any]:
-    """mlx-lm's stream of responses for ``request``: its seed, sampler and processors."""
+def token_stream(
+    model, tokenizer, request: dict, prompt_cache=None, feed=None, speculation=None
+) -> Iterable[Any]:
+    """mlx-lm's stream of responses for ``request``: its seed, sampler and processors; with
+    ``speculation``, mlx-lm's speculative step (the prompt cache then holds the model's
+    layers, then the proposer's)."""
     s = sampling_of(request)
     mx.random.seed(s.seed)
     feed = request["tokens"] if feed is None else feed
+    extra = {}
+    if speculation is not None:
+        extra = {"draft_model": speculation.proposer, "num_draft_tokens": speculation.k}
     return stream_generate(
         model,
         tokenizer,
@@ -104,6 +121,7 @@ def token_stream(model, tokenizer, request: dict, prompt_cache=None, feed=None) 
         logits_processors=processors(request, len(feed)),
         prompt_cache=prompt_cache,
         prompt_progress_callback=lambda *_: progress.tick(),
+        **extra,
     )
 
 
@@ -211,6 +229,7 @@ def stream(
     stopped_at = None  # tokens generated when rank 0 decided to stop
     reason = "stop"
     tokens: list[int] = []
+    drafted: list[bool] = []  # each token: whether it was a proposal the model accepted
     if write is not None and text.opening:
         write(text.start())
     for n, response in enumerate(responses, start=1):
@@ -219,6 +238,7 @@ def stream(
         last = response
         progress.tick()
         tokens.append(response.token)
+        drafted.append(bool(getattr(response, "from_draft", False)))
         if stopped_at is None and write is not None:
             if on_response is not None:
                 on_response(response)
@@ -253,7 +273,7 @@ def stream(
         (first - start) if first else None,
         stop_sequence=text.stop.hit,
     )
-    return Answer(text.text, tokens, stats)
+    return Answer(text.text, tokens, stats, drafted)
 
 
 def answer_stats(

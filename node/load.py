@@ -51,6 +51,7 @@ class Loaded:
     layers: tuple[int, int] | None  # this rank's pipeline range
     files: list[str]  # weight files this rank opened
     processor: Any = None  # mlx-vlm's processor, for vision-language models
+    speculation: Any = None  # node.draft.Speculation: the proposer, the same on every rank
 
 
 def resolve_model(ref: str, allow_patterns: list[str] | None = None) -> Path:

@@ -15,7 +15,7 @@ import click
 from ..hostfile import BACKENDS, Hostfile, HostfileError, load_hostfile, local_hostfile
 from ..launcher import LaunchError, run_job
 from ..modelcheck import MODES, default_model_path
-from ..spec import JobSpec, LaunchSettings, Sampling, ServeSettings, Template, default
+from ..spec import Draft, JobSpec, LaunchSettings, Sampling, ServeSettings, Template, default
 
 STARTED = time.perf_counter()
 MAX_IMAGE_BYTES = 64 * 1024 * 1024
@@ -394,7 +394,33 @@ SERVE = {  # ServeSettings
         "Retry-After.",
     ),
 }
-OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE}
+DRAFT = {  # Draft: speculative decoding
+    "draft_model": click.option(
+        "--draft-model",
+        default=default(Draft, "draft_model"),
+        metavar="PATH_OR_REPO",
+        help="Speculative decoding: a small model with the same tokenizer proposes tokens, "
+        "loaded whole on every rank; the model verifies --num-draft-tokens + 1 in one pass. "
+        "The text is the same as without it.",
+    ),
+    "num_draft_tokens": click.option(
+        "--num-draft-tokens",
+        type=click.IntRange(1, 64),
+        default=default(Draft, "num_draft_tokens"),
+        show_default=True,
+        help="Tokens proposed per verifying pass (with --draft-model or --prompt-lookup).",
+    ),
+    "prompt_lookup": click.option(
+        "--prompt-lookup",
+        type=click.IntRange(0, 64),
+        default=default(Draft, "prompt_lookup"),
+        show_default=True,
+        metavar="N",
+        help="Speculative decoding without a draft model: propose what followed the last N "
+        "tokens (or fewer) where they occurred before in the prompt or answer. 0: off.",
+    ),
+}
+OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE, **DRAFT}
 
 
 def with_options(*names: str):
@@ -410,7 +436,7 @@ def with_options(*names: str):
 
 def job_options(f):
     """What every command that runs a job takes: hosts, model, how to launch."""
-    return with_options(*HOST, *MODEL, *LAUNCH)(f)
+    return with_options(*HOST, *MODEL, *LAUNCH, *DRAFT)(f)
 
 
 def sampling_options(f):

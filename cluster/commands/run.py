@@ -10,6 +10,7 @@ import click
 
 from ..jobstate import JobResult
 from ..spec import (
+    Draft,
     JobSpec,
     LaunchSettings,
     Request,
@@ -45,6 +46,7 @@ def job_spec(command: str, values: dict, **fields) -> JobSpec:
         command=command,
         request=request,
         serve=pick(ServeSettings, values),
+        draft=draft_of(values),
         mode=values.pop("mode"),
         split=values.pop("split"),
         blas=values.pop("blas"),
@@ -53,6 +55,14 @@ def job_spec(command: str, values: dict, **fields) -> JobSpec:
     if values:  # an option that no dataclass field takes: a bug, not the user's error
         raise TypeError(f"options without a JobSpec field: {', '.join(values)}")
     return spec
+
+
+def draft_of(values: dict) -> Draft:
+    """--draft-model, --num-draft-tokens, --prompt-lookup (one proposer at most)."""
+    draft = pick(Draft, values)
+    if draft.draft_model and draft.prompt_lookup:
+        raise click.UsageError("--draft-model and --prompt-lookup: choose one proposer")
+    return draft
 
 
 def hosts_and_launch(values: dict):

@@ -1,0 +1,137 @@
+"""Speculative decoding on a sharded model: who proposes the next tokens.
+
+mlx-lm's speculative step drafts K tokens, then the main model verifies K+1 in one pass and
+keeps the longest agreeing prefix plus its own next token; every cache is trimmed by what was
+rejected. On a rig the main model's pass is the expensive part (one round trip per pipeline
+stage, two all_sums per layer in tensor mode), so K accepted tokens cost one pass, not K.
+
+Every rank proposes the same tokens without talking: the draft model is loaded whole on every
+rank (its input, the tokens so far, is the same everywhere, and so is the random state), or
+the proposals come from prompt look-up, a deterministic function of those tokens. The text is
+the main model's: a proposal is kept only where the main model's own choice agrees with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from cluster.modelcheck import ModelError
+from cluster.spec import Draft
+
+NO_MATCH = -1
+
+
+class TokenHistory:
+    """The look-up "cache": the tokens seen so far, trimmed like a KV cache on a rejection."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+
+    @property
+    def state(self):
+        return []
+
+    @property
+    def offset(self) -> int:
+        return len(self.tokens)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(n, len(self.tokens))
+        if n:
+            del self.tokens[-n:]
+        return n
+
+    def empty(self) -> bool:
+        return not self.tokens
+
+
+class PromptLookup:
+    """A draft "model" that proposes the token that followed the latest earlier occurrence of
+    the last ``n`` tokens (n from ``ngram`` down to 1) in the prompt and the answer so far:
+    strong where an answer quotes its context (code, agents, summaries). Its logits put all
+    the weight on that token, so any sampler picks it."""
+
+    def __init__(self, ngram: int, vocab_size: int):
+        self.ngram = ngram
+        self.vocab_size = vocab_size
+        self.layers: list = []
+
+    def make_cache(self) -> list[TokenHistory]:
+        return [TokenHistory()]
+
+    def __call__(self, inputs: mx.array, cache: list[TokenHistory]) -> mx.array:
+        history = cache[0]
+        history.tokens += inputs.reshape(-1).tolist()
+        guess = self.propose(history.tokens)
+        logits = mx.full((1, 1, self.vocab_size), -1e9, dtype=mx.float32)
+        logits[0, 0, guess] = 0.0
+        return logits
+
+    def propose(self, tokens: list[int]) -> int:
+        for n in range(min(self.ngram, len(tokens) - 1), 0, -1):
+            tail = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):  # the latest occurrence first
+                if tokens[start : start + n] == tail:
+                    return tokens[start + n]
+        return tokens[-1]  # nothing to go on: a repeat is as good a guess as any
+
+
+def vocab_size(model) -> int:
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    if size is None:
+        raise ModelError("prompt look-up needs the model's vocab_size in its config")
+    return size
+
+
+@dataclass
+class Speculation:
+    proposer: Any  # a draft model, or PromptLookup: called like a model, with its own cache
+    k: int  # tokens it proposes per verifying pass
+
+
+def load_draft(draft: Draft, loaded) -> Speculation:
+    """The proposer every rank builds alike."""
+    if loaded.processor is not None:
+        raise ModelError("speculative decoding is for text models; drop --draft-model and "
+                         "--prompt-lookup for a vision-language model")  # fmt: skip
+    if draft.prompt_lookup:
+        return Speculation(PromptLookup(draft.prompt_lookup, vocab_size(loaded.model)),
+                           draft.num_draft_tokens)  # fmt: skip
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    from .load import resolve_model
+
+    path = resolve_model(draft.draft_model)
+    draft_model, _ = load_model(path)
+    draft_tokenizer = load_tokenizer(path)
+    if draft_tokenizer.get_vocab() != loaded.tokenizer.get_vocab():
+        raise ModelError(
+            f"draft model {draft.draft_model}: its tokenizer is not the model's; a draft must "
+            "share the main model's tokenizer (the same family, a smaller size)"
+        )
+    mx.eval(draft_model.parameters())
+    return Speculation(draft_model, draft.num_draft_tokens)
+
+
+def draft_counts(responses_from_draft: list[bool], k: int, max_tokens: int) -> tuple[int, int]:
+    """(tokens drafted, tokens accepted) of an answer, from each token's ``from_draft``.
+
+    Each round of mlx-lm's speculative step drafts min(K, tokens left) and ends with one token
+    of the main model's own, so rounds start at the first token and after each of those."""
+    drafted = accepted = 0
+    generated = 0
+    new_round = True
+    for from_draft in responses_from_draft:
+        if new_round:
+            drafted += min(k, max_tokens - generated)
+        accepted += from_draft
+        generated += 1
+        new_round = not from_draft
+    return drafted, accepted

@@ -1,0 +1,129 @@
+"""Speculative decoding on sharded models: the same greedy text as single-process mlx-lm without
+a draft, in both modes at 2 and 3 ranks, whoever proposes; the same seed gives the same
+sampled text; the sampled distribution is the model's own (a statistical test, no ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+from matrix import reference
+
+PROMPT = "Tell me about lists"
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    """The served model, and drafts with its tokenizer: itself (every proposal accepted) and
+    a random one-layer model (almost every proposal rejected)."""
+    from tiny import make_model
+
+    base = tmp_path_factory.mktemp("drafts")
+    model = make_model(base / "m", "qwen2", seed=2, chat_template=True)
+    small = make_model(base / "small", "qwen2", seed=5, chat_template=True, num_hidden_layers=1)
+    return {"model": model, "itself": model, "small": small}
+
+
+def launch_json(model, *args) -> dict:
+    p = run_cli("launch", "--model", model, "--max-tokens", MAX_TOKENS, "--json", *args, PROMPT)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "ranks, mode, proposer",
+    [
+        (2, "pipeline", "itself"),
+        (2, "pipeline", "small"),
+        (2, "pipeline", "lookup"),
+        (2, "tensor", "itself"),
+        (2, "tensor", "small"),
+        (2, "tensor", "lookup"),
+        (3, "pipeline", "small"),
+        (3, "tensor", "itself"),
+    ],
+)
+def test_greedy_text_is_the_models_own(drafts, ranks, mode, proposer):
+    model = drafts["model"]
+    how = ["--prompt-lookup", 2] if proposer == "lookup" else ["--draft-model", drafts[proposer]]
+    out = launch_json(model, "-n", ranks, "--mode", mode, "--num-draft-tokens", 3, *how)
+    assert out["text"] == reference(model, PROMPT, MAX_TOKENS)
+    timings = out["timings"]
+    assert 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
+    if proposer == "itself":  # every proposal is right: 3 accepted per pass of 4 tokens
+        assert timings["draft_n_accepted"] == timings["draft_n"] == MAX_TOKENS // 4 * 3
+
+
+@pytest.mark.e2e
+def test_the_same_seed_gives_the_same_sampled_text(drafts):
+    args = ["-n", 2, "--draft-model", drafts["small"], "--temp", 1.0, "--seed", 7]
+    first = launch_json(drafts["model"], *args)
+    assert first["text"] and launch_json(drafts["model"], *args)["text"] == first["text"]
+    p = run_cli("launch", "--draft-model", drafts["small"], "--prompt-lookup", 2, "x")
+    assert p.returncode == 2 and "choose one proposer" in p.stderr
+
+
+def chi_square_ok(counts: dict[int, int], probs: list[float], n: int) -> tuple[float, float]:
+    """(Pearson's chi-square of ``counts`` against ``probs``, its 0.1% critical value); tokens
+    expected fewer than 5 times are pooled into one bin."""
+    from statistics import NormalDist
+
+    bins, rest_seen, rest_p = [], n, 1.0
+    for token, p in enumerate(probs):
+        if p * n >= 5:
+            bins.append((counts.get(token, 0), p * n))
+            rest_seen -= counts.get(token, 0)
+            rest_p -= p
+    if rest_p * n >= 5:
+        bins.append((rest_seen, rest_p * n))
+    stat = sum((seen - expected) ** 2 / expected for seen, expected in bins)
+    df = len(bins) - 1
+    z = NormalDist().inv_cdf(0.999)  # Wilson-Hilferty's approximation of the quantile
+    critical = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    return stat, critical
+
+
+def test_sampled_tokens_follow_the_models_distribution(tmp_path):
+    """At temperature 1 with a proposer that is mostly wrong (prompt look-up on a prompt that
+    repeats), the first and the second token follow the model's own probabilities: a
+    chi-square test at the 0.1% level on 3000 samples each."""
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import load
+    from tiny import make_model
+
+    from node.draft import PromptLookup
+
+    path = make_model(tmp_path / "m", "llama", seed=3, init_scale=2.0, num_hidden_layers=2)
+    model, _ = load(str(path))
+    prompt = [5, 9, 5, 9, 5]
+    sampler = make_sampler(temp=1.0)
+    n = 3000
+
+    first_p = mx.softmax(model(mx.array(prompt)[None])[0, -1])
+    vocab = first_p.shape[0]
+    after = mx.concatenate(  # every possible first token after the prompt, as one batch
+        [mx.broadcast_to(mx.array(prompt), (vocab, len(prompt))), mx.arange(vocab)[:, None]],
+        axis=1,
+    )
+    second_p = first_p @ mx.softmax(model(after)[:, -1], axis=-1)  # the second's marginal
+
+    firsts: dict[int, int] = {}
+    seconds: dict[int, int] = {}
+    for i in range(n):
+        mx.random.seed(i)
+        steps = speculative_generate_step(
+            mx.array(prompt), model, PromptLookup(2, 512), max_tokens=2, num_draft_tokens=2,
+            sampler=sampler,
+        )  # fmt: skip
+        first, second = (int(t) for t, *_ in steps)
+        firsts[first] = firsts.get(first, 0) + 1
+        seconds[second] = seconds.get(second, 0) + 1
+    for counts, p in ((firsts, first_p), (seconds, second_p)):
+        stat, critical = chi_square_ok(counts, p.tolist(), n)
+        assert stat < critical, (stat, critical)
+    assert len(firsts) > 50  # a distribution, not one token
