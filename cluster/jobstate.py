@@ -246,10 +246,14 @@ def stats_line(stats: Stats, since_start: float | None) -> str:
         first = f"first token {since_start:.2f} s after start"
     else:
         first = f"first token after {stats.time_to_first_token_s or 0:.2f} s"
+    drafted = ""
+    if "draft_n" in t:
+        share = t["draft_n_accepted"] / t["draft_n"] if t["draft_n"] else 0.0
+        drafted = f", {t['draft_n_accepted']} of {t['draft_n']} drafted accepted ({share:.0%})"
     return (
         f"prompt {t['prompt_n']} tokens at {t['prompt_per_second']:.1f} tok/s, cache "
         f"{t['cache_n']}, generated {t['predicted_n']} tokens at "
-        f"{t['predicted_per_second']:.1f} tok/s ({stats.finish_reason}), {first}"
+        f"{t['predicted_per_second']:.1f} tok/s ({stats.finish_reason}){drafted}, {first}"
     )
 
 

@@ -92,18 +92,26 @@ class Conversation:
 
 
 class TurnCache:
-    """One rank's KV cache between turns, bounded by ``budget_bytes``."""
+    """One rank's KV cache between turns, bounded by ``budget_bytes``. With a speculative
+    proposer, the list holds the model's layers, then the proposer's (as mlx-lm's speculative
+    step takes them), and both are trimmed alike."""
 
-    def __init__(self, model, budget_bytes: float):
+    def __init__(self, model, budget_bytes: float, proposer=None):
         self.model = model
+        self.proposer = proposer
         self.budget = budget_bytes
         self.cache: list | None = None
         self.tokens: list[int] = []  # what the cache holds, in order
 
+    def make(self) -> list:
+        cache = make_prompt_cache(self.model)
+        self.layers = len(cache)
+        return cache + (make_prompt_cache(self.proposer) if self.proposer else [])
+
     def prepare(self, tokens: list[int]) -> tuple[list, list[int], int]:
         """(cache to decode with, tokens still to prefill, tokens reused from the cache)."""
         if self.cache is None:
-            self.cache, self.tokens = make_prompt_cache(self.model), []
+            self.cache, self.tokens = self.make(), []
         held = self.tokens
         reused = 0
         for a, b in zip(held, tokens, strict=False):
@@ -113,7 +121,7 @@ class TurnCache:
         reused = min(reused, len(tokens) - 1)  # at least one token must be fed
         surplus = len(held) - reused
         if surplus and not can_trim_prompt_cache(self.cache):
-            self.cache, reused = make_prompt_cache(self.model), 0
+            self.cache, reused = self.make(), 0
         elif surplus:
             trim_prompt_cache(self.cache, surplus)
         return self.cache, tokens[reused:], reused
@@ -125,6 +133,16 @@ class TurnCache:
             self.cache, self.tokens = None, []
             return
         self.tokens = (tokens + generated)[:offset]
+        draft = self.cache[self.layers :]
+        if draft:  # the proposer's cache must hold the same tokens as the model's
+            held = _offset(draft) or 0
+            if held > offset:  # its last proposals, rejected
+                trim_prompt_cache(draft, held - offset)
+            elif held < offset:  # the last accepted tokens it never saw
+                import mlx.core as mx
+
+                self.proposer(mx.array(self.tokens[held:offset])[None], cache=draft)
+                mx.eval([c.state for c in draft])
 
 
 def _offset(cache: list) -> int | None:
@@ -170,7 +188,10 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
     from .watchdog import launcher_input, progress
 
     rank0 = group.rank() == 0
-    cache = TurnCache(loaded.model, spec.prompt_cache_gb * 1e9)
+    speculation = loaded.speculation
+    cache = TurnCache(
+        loaded.model, spec.prompt_cache_gb * 1e9, speculation and speculation.proposer
+    )
     if rank0:
         inp = Input(launcher_input())
         conversation = Conversation(loaded.tokenizer, spec.request.template)
@@ -208,6 +229,7 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
             feed=feed,
             cancelled=inp.cancel.is_set if rank0 else None,
             cancellable=True,
+            speculation=speculation,
         )
         cache.done(request["tokens"], answer.tokens)
         if rank0:

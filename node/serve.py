@@ -364,6 +364,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
                     cancelled=job.cancel.is_set if rank0 else None,
                     cancellable=True,
                     on_response=functools.partial(scheduler.logprobs, job) if rank0 else None,
+                    speculation=loaded.speculation,
                 )
                 if rank0:
                     scheduler.inserting = []

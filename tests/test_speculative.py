@@ -127,3 +127,37 @@ def test_sampled_tokens_follow_the_models_distribution(tmp_path):
         stat, critical = chi_square_ok(counts, p.tolist(), n)
         assert stat < critical, (stat, critical)
     assert len(firsts) > 50  # a distribution, not one token
+
+
+@pytest.mark.e2e
+def test_chat_keeps_the_drafts_cache_in_step_from_turn_to_turn(drafts):
+    turns = "Tell me about lists\nAnd tuples?\nTell me about lists\n"
+    args = ["chat", "-n", 2, "--model", drafts["model"], "--max-tokens", 20]
+    plain = run_cli(*args, input=turns)
+    drafted = run_cli(*args, "--draft-model", drafts["itself"], input=turns)
+    assert plain.returncode == drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout
+    # every proposal of the model's own copy is right, on every turn: its cache follows
+    assert drafted.stderr.count("15 of 15 drafted accepted (100%)") == 3, drafted.stderr
+
+
+@pytest.mark.e2e
+def test_serve_speculates_on_a_request_decoded_alone(drafts):
+    pytest.importorskip("openai")
+    from test_serve import Served
+
+    served = Served(drafts["model"], "--draft-model", drafts["itself"])
+    try:
+        messages = [{"role": "user", "content": PROMPT}]
+        alone = served.client.chat.completions.create(
+            model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0, seed=1
+        )
+        batched = served.client.chat.completions.create(
+            model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0
+        )
+        expected = reference(drafts["model"], PROMPT, MAX_TOKENS)
+        assert alone.choices[0].message.content == batched.choices[0].message.content == expected
+        assert alone.model_extra["timings"]["draft_n_accepted"] == MAX_TOKENS // 4 * 3
+        assert "draft_n" not in batched.model_extra["timings"]  # batches decode as before
+    finally:
+        assert served.stop() == 0
