@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import IO
 
@@ -39,7 +39,7 @@ from .launcher import (
 )
 from .process import STOP_GRACE_S, rank_python, write_files
 from .protocol import BenchRun
-from .spec import BenchSettings, JobSpec, LaunchSettings
+from .spec import BenchSettings, Draft, JobSpec, LaunchSettings
 
 OURS, MLX_LM, MLX_LAUNCH = "mlx-cluster", "mlx-lm", "mlx.launch"
 BASELINES = ("single", MLX_LM, MLX_LAUNCH)
@@ -61,6 +61,7 @@ class BenchPlan(BenchSettings):
     blas: str = "auto"  # as JobSpec.blas, for our ranks and the mlx-lm baselines alike
     baselines: tuple[str, ...] = DEFAULT_BASELINES
     baseline_timeout: float = 1800.0
+    draft: Draft = field(default_factory=Draft)  # when on: each of ours also with it
 
 
 @dataclass
@@ -68,10 +69,17 @@ class Config:
     impl: str  # OURS, MLX_LM or MLX_LAUNCH
     mode: str | None  # None: one rank, nothing sharded
     ranks: int
+    draft: bool = False  # with the plan's speculative decoding
 
     @property
     def label(self) -> str:
-        return f"{self.impl} {self.mode or 'single'} {self.ranks} rank(s)"
+        return f"{self.impl} {self.mode or 'single'} {self.ranks} rank(s)" + (
+            " with the draft" if self.draft else ""
+        )
+
+    @property
+    def key(self) -> tuple:
+        return self.impl, self.mode, self.ranks, self.draft
 
 
 def configs(plan: BenchPlan) -> list[Config]:
@@ -79,14 +87,15 @@ def configs(plan: BenchPlan) -> list[Config]:
     each of ours followed by the mlx-lm baselines of the same configuration."""
     theirs = [b for b in (MLX_LM, MLX_LAUNCH) if b in plan.baselines]
     out = []
+    drafts = [False, True] if plan.draft.on else [False]
     if 1 in plan.ranks or "single" in plan.baselines:
-        out.append(Config(OURS, None, 1))
+        out += [Config(OURS, None, 1, draft) for draft in drafts]
         if theirs:  # one process: no launcher to tell apart
             out.append(Config(MLX_LM, None, 1))
     for mode in plan.modes:
         for n in plan.ranks:
             if n > 1:
-                out.append(Config(OURS, mode, n))
+                out += [Config(OURS, mode, n, draft) for draft in drafts]
                 out.extend(Config(impl, mode, n) for impl in theirs)
     return out
 
@@ -123,6 +132,9 @@ def blank(config: Config, plan: BenchPlan) -> dict:
         "impl": config.impl,
         "mode": config.mode,
         "ranks": config.ranks,
+        "draft": config.draft,
+        "draft_accepted": None,  # accepted / drafted tokens over the timed runs
+        "vs_no_draft": None,  # ratios against the same configuration without the draft
         "status": "ok",
         "reason": None,
         "command": None,
@@ -177,6 +189,7 @@ def run_ours(
         command="bench",
         blas=plan.blas,
         bench=BenchSettings(**{f.name: getattr(plan, f.name) for f in fields(BenchSettings)}),
+        draft=plan.draft if config.draft else Draft(),
     )
     try:
         result = run_job(hf, spec, launch, stdout=io.BytesIO(), stderr=stderr)
@@ -190,6 +203,9 @@ def run_ours(
     shas = {e.tokens_sha for e in runs}
     row["tokens_sha"] = shas.pop() if len(shas) == 1 else None  # None: runs disagreed
     summarise_runs(row)
+    drafted = sum(e.draft_n or 0 for e in runs if not e.warmup)
+    if config.draft and drafted:
+        row["draft_accepted"] = sum(e.draft_n_accepted or 0 for e in runs if not e.warmup) / drafted
     loads = [x for x in result.load_s if x is not None]
     row["load_s"] = max(loads) if loads else None
     row["ready_s"] = result.ready_s
@@ -216,6 +232,14 @@ def _run_fields(event: BenchRun) -> dict:
 def our_command(config: Config, plan: BenchPlan, hostfile: Hostfile) -> str:
     where = f"--hostfile {hostfile.path}" if hostfile.path else ""
     mode = f" --modes {config.mode}" if config.mode else ""
+    if config.draft:
+        d = plan.draft
+        proposer = (
+            f"--draft-model {d.draft_model}"
+            if d.draft_model
+            else f"--prompt-lookup {d.prompt_lookup}"
+        )
+        mode += f" {proposer} --num-draft-tokens {d.num_draft_tokens}"
     return (
         f"mlx-cluster bench {where} --model {plan.model}{mode} --ranks {config.ranks} "
         f"--prompt-tokens {plan.prompt_tokens} --gen-tokens {plan.gen_tokens} "
@@ -399,18 +423,20 @@ def _stop_group(proc: subprocess.Popen, sig: int) -> None:
 def add_ratios(rows: list[dict]) -> None:
     """Ratios from the same run: against the 1-rank row of the same implementation, and
     (ours) against mlx-lm's row of the same mode and rank count."""
-    ok = {(r["impl"], r["mode"], r["ranks"]): r for r in rows if r["status"] == "ok"}
+    ok = {(r["impl"], r["mode"], r["ranks"], r["draft"]): r for r in rows if r["status"] == "ok"}
     for r in rows:
         if r["status"] != "ok":
             continue
-        single = ok.get((_single_impl(r["impl"]), None, 1))
+        if r["draft"] and (plain := ok.get((r["impl"], r["mode"], r["ranks"], False))):
+            r["vs_no_draft"] = _ratios(r, plain)
+        single = ok.get((_single_impl(r["impl"]), None, 1, False))
         if single is not None and r is not single:
             r["vs_single"] = _ratios(r, single)
             if r["impl"] == OURS and r["tokens_sha"] and single["tokens_sha"]:
                 r["same_tokens_as_single"] = r["tokens_sha"] == single["tokens_sha"]
             r["predicted_generation_tps"] = predicted_generation_tps(r, single)
-        theirs = ok.get((MLX_LM, r["mode"], r["ranks"])) or ok.get(
-            (MLX_LAUNCH, r["mode"], r["ranks"])
+        theirs = ok.get((MLX_LM, r["mode"], r["ranks"], False)) or ok.get(
+            (MLX_LAUNCH, r["mode"], r["ranks"], False)
         )
         if r["impl"] == OURS and theirs is not None:
             r["vs_mlx_lm"] = _ratios(r, theirs)
@@ -495,6 +521,7 @@ def _fmt_ratio(r: dict | None, key: str = "generation_tps") -> str:
     return "-" if not r or key not in r else f"{r[key]:.2f}"
 
 
+DRAFT_HEAD = ["gen vs no draft", "draft accepted"]
 TABLE_HEAD = (
     "impl",
     "mode",
@@ -515,18 +542,24 @@ TABLE_HEAD = (
 
 
 def table(rows: list[dict]) -> str:
-    """A markdown table of the sweep: medians with [min-max] over the timed runs."""
-    lines = ["| " + " | ".join(TABLE_HEAD) + " |", "|" + " --- |" * len(TABLE_HEAD)]
+    """A markdown table of the sweep: medians with [min-max] over the timed runs; with a
+    draft, each configuration's row with it follows the row without, and says the ratio."""
+    drafts = any(r.get("draft") for r in rows)
+    head = list(TABLE_HEAD)
+    if drafts:
+        head[9:9] = DRAFT_HEAD
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
+        mode = (r["mode"] or "-") + (" +draft" if r.get("draft") else "")
         if r["status"] != "ok":
-            cells = [r["impl"], r["mode"] or "-", str(r["ranks"]), f"{r['status']}: {r['reason']}"]
-            cells += [""] * (len(TABLE_HEAD) - len(cells))
+            cells = [r["impl"], mode, str(r["ranks"]), f"{r['status']}: {r['reason']}"]
+            cells += [""] * (len(head) - len(cells))
         else:
             peaks = [m for m in r["peak_memory_gb"] if m is not None]
             latency = r["allsum_latency_s"]
             cells = [
                 r["impl"],
-                r["mode"] or "-",
+                mode,
                 str(r["ranks"]),
                 _fmt_spread(r["ttft_s"], 3),
                 _fmt_spread(r["prefill_tps"]),
@@ -541,6 +574,12 @@ def table(rows: list[dict]) -> str:
                 _fmt(r["start_to_first_token_s"], 2),
                 _fmt(max(peaks) if peaks else None, 3),
             ]
+            if drafts:
+                accepted = r.get("draft_accepted")
+                cells[9:9] = [
+                    _fmt_ratio(r.get("vs_no_draft")),
+                    "-" if accepted is None else f"{100 * accepted:.0f}%",
+                ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -549,6 +588,8 @@ CSV_FIELDS = (
     "impl",
     "mode",
     "ranks",
+    "draft",
+    "draft_accepted",
     "status",
     "reason",
     "prompt_tokens",
@@ -570,6 +611,8 @@ CSV_FIELDS = (
     "vs_single_generation_tps",
     "vs_mlx_lm_prefill_tps",
     "vs_mlx_lm_generation_tps",
+    "vs_no_draft_prefill_tps",
+    "vs_no_draft_generation_tps",
     "same_tokens_as_single",
     "tokens_sha",
     "command",
@@ -586,7 +629,7 @@ def csv_text(rows: list[dict]) -> str:
         for key in SPREAD_KEYS:
             for s in ("median", "min", "max"):
                 flat[f"{key}_{s}"] = r[key][s] if r[key] else None
-        for base in ("vs_single", "vs_mlx_lm"):
+        for base in ("vs_single", "vs_mlx_lm", "vs_no_draft"):
             for key in ("prefill_tps", "generation_tps"):
                 flat[f"{base}_{key}"] = (r[base] or {}).get(key)
         flat["peak_memory_gb"] = ";".join(_fmt(m, 4) for m in r["peak_memory_gb"])

@@ -178,6 +178,8 @@ class BenchRun:
     prefill_tps: float
     generation_tps: float | None
     generated: int
+    draft_n: int | None = None  # with speculative decoding: tokens drafted, and accepted
+    draft_n_accepted: int | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from mlx_lm.generate import generation_stream
 from cluster.protocol import BenchComm, BenchRun, FirstToken, Phase
 from cluster.spec import BenchSettings, Sampling
 
+from .draft import draft_counts
 from .generate import AnswerText, stream, token_stream
 from .sampling import settings
 
@@ -126,10 +127,14 @@ def run_bench(loaded, group, b: BenchSettings, emit) -> None:
     for i in range(runs):
         emit(Phase("generating", prompt_tokens=len(prompt)))
         first = (lambda: emit(FirstToken())) if i == 0 and rank == 0 else None
-        clock = Clock(token_stream(model, tokenizer, request), first)
+        speculation = loaded.speculation
+        clock = Clock(token_stream(model, tokenizer, request, speculation=speculation), first)
         answer = stream(clock, None, AnswerText([]), group, None, generation_stream)
         if rank == 0:
             figures = run_figures(clock, len(prompt))
+            if speculation is not None:
+                drafted, accepted = draft_counts(answer.from_draft, speculation.k, b.gen_tokens)
+                figures.update(draft_n=drafted, draft_n_accepted=accepted)
             digest = hashlib.sha256(str(answer.tokens).encode()).hexdigest()[:16]
             emit(BenchRun(run=i, warmup=i < b.warmup, tokens_sha=digest, **figures))
     counts = count_collectives(model, prompt[-1])

@@ -161,3 +161,20 @@ def test_serve_speculates_on_a_request_decoded_alone(drafts):
         assert "draft_n" not in batched.model_extra["timings"]  # batches decode as before
     finally:
         assert served.stop() == 0
+
+
+@pytest.mark.e2e
+def test_bench_rows_with_and_without_the_draft_side_by_side(drafts, tmp_path):
+    out = tmp_path / "bench.json"
+    p = run_cli(
+        "bench", "--model", drafts["model"], "--draft-model", drafts["itself"], "--ranks", 2,
+        "--modes", "tensor", "--baselines", "none", "--prompt-tokens", 32, "--gen-tokens", 16,
+        "--repeat", 1, "--warmup", 0, "--json", out,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["mode"], r["draft"]) for r in rows] == [("tensor", False), ("tensor", True)]
+    plain, drafted = rows
+    assert drafted["tokens_sha"] == plain["tokens_sha"]  # the same tokens, greedy
+    assert drafted["draft_accepted"] == 1.0 and drafted["vs_no_draft"]["generation_tps"] > 0
+    assert "| tensor +draft | 2 |" in p.stdout and "gen vs no draft" in p.stdout

@@ -25,7 +25,7 @@ from ..hostfile import HostfileError
 from ..launcher import preflight
 from ..modelcheck import MODES, ModelError
 from ..spec import BenchSettings, JobSpec, LaunchSettings, default, pick
-from .options import LAUNCH, model_or_default, resolve_hostfile, with_options
+from .options import DRAFT, LAUNCH, draft_of, model_or_default, resolve_hostfile, with_options
 
 
 def comma_choices(value: str, allowed, example: str, none_ok: bool = False) -> list[str]:
@@ -62,7 +62,7 @@ def parse_ranks(ctx, param, value: str) -> list[int]:
 
 
 @click.command()
-@with_options("hostfile", "backend", "accept_new_host_keys", "model", "blas", *LAUNCH)
+@with_options("hostfile", "backend", "accept_new_host_keys", "model", "blas", *LAUNCH, *DRAFT)
 @click.option(
     "--modes",
     default="pipeline,tensor",
@@ -150,18 +150,24 @@ def bench(hostfile, backend, json_file, csv_file, plot_file, **values):
     load time, time from the job's start to its first token, peak memory per rank, the
     collectives each token needs and the all_sum latency at the activation size, the decode
     rate those predict (with the 1-rank row), and ratios against 1 rank and against mlx-lm's
-    own sharded run. The table goes to stdout, progress to stderr. Exits 1 if one of
-    mlx-cluster's configurations failed (a baseline that fails is reported in its row).
+    own sharded run. With --draft-model or --prompt-lookup, each of mlx-cluster's
+    configurations runs again with speculative decoding: its row follows, with the generation
+    ratio against the row without and the share of drafted tokens accepted. The table goes to
+    stdout, progress to stderr. Exits 1 if one of mlx-cluster's configurations failed (a
+    baseline that fails is reported in its row).
     Method: docs/benchmarks.md.
 
     \b
     Examples:
       mlx-cluster bench --ranks 1,2,3
+      mlx-cluster bench --model ./big --draft-model ./small --ranks 2 --baselines none
       mlx-cluster bench --model ./my-model --modes tensor --json out.json --plot out.png
       mlx-cluster bench --hostfile hostfiles/thunderbolt-ring.yaml --model ./m --ranks 1,2,4
     """
     values["model"] = model_or_default(values["model"])
+    draft = draft_of(values)
     plan = pick(BenchPlan, values)
+    plan.draft = draft
     launch = pick(LaunchSettings, values)
     hf = resolve_hostfile(hostfile, max(plan.ranks) if hostfile is None else None, backend)
     try:

@@ -15,7 +15,16 @@ import click
 from ..hostfile import BACKENDS, Hostfile, HostfileError, load_hostfile, local_hostfile
 from ..launcher import LaunchError, run_job
 from ..modelcheck import MODES, default_model_path
-from ..spec import Draft, JobSpec, LaunchSettings, Sampling, ServeSettings, Template, default
+from ..spec import (
+    Draft,
+    JobSpec,
+    LaunchSettings,
+    Sampling,
+    ServeSettings,
+    Template,
+    default,
+    pick,
+)
 
 STARTED = time.perf_counter()
 MAX_IMAGE_BYTES = 64 * 1024 * 1024
@@ -437,6 +446,14 @@ def with_options(*names: str):
 def job_options(f):
     """What every command that runs a job takes: hosts, model, how to launch."""
     return with_options(*HOST, *MODEL, *LAUNCH, *DRAFT)(f)
+
+
+def draft_of(values: dict) -> Draft:
+    """--draft-model, --num-draft-tokens, --prompt-lookup (one proposer at most)."""
+    draft = pick(Draft, values)
+    if draft.draft_model and draft.prompt_lookup:
+        raise click.UsageError("--draft-model and --prompt-lookup: choose one proposer")
+    return draft
 
 
 def sampling_options(f):

@@ -10,7 +10,6 @@ import click
 
 from ..jobstate import JobResult
 from ..spec import (
-    Draft,
     JobSpec,
     LaunchSettings,
     Request,
@@ -22,6 +21,7 @@ from ..spec import (
 )
 from .options import (
     STARTED,
+    draft_of,
     job_options,
     model_or_default,
     read_image,
@@ -55,14 +55,6 @@ def job_spec(command: str, values: dict, **fields) -> JobSpec:
     if values:  # an option that no dataclass field takes: a bug, not the user's error
         raise TypeError(f"options without a JobSpec field: {', '.join(values)}")
     return spec
-
-
-def draft_of(values: dict) -> Draft:
-    """--draft-model, --num-draft-tokens, --prompt-lookup (one proposer at most)."""
-    draft = pick(Draft, values)
-    if draft.draft_model and draft.prompt_lookup:
-        raise click.UsageError("--draft-model and --prompt-lookup: choose one proposer")
-    return draft
 
 
 def hosts_and_launch(values: dict):
