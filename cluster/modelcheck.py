@@ -22,6 +22,11 @@ def default_model_path() -> Path:
     return Path(__file__).resolve().parent.parent / "node" / "default_model"
 
 
+def default_draft_path() -> Path:
+    """The embedded default model's draft (node/default_draft): ``--draft-model default``."""
+    return default_model_path().parent / "default_draft"
+
+
 def looks_like_repo(name: str) -> bool:
     """``org/name`` with no local directory of that name: a Hugging Face repo id."""
     return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()

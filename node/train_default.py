@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 DEFAULT_DIR = Path(__file__).parent / "default_model"
+DRAFT_DIR = Path(__file__).parent / "default_draft"
 EOS = "<|endoftext|>"
 
 CONFIG = {
@@ -29,6 +30,18 @@ CONFIG = {
     "rope_theta": 10000.0,
     "rope_traditional": False,
     "tie_word_embeddings": True,
+}
+
+
+# The default model's draft (``--draft-model default``): the same tokenizer and corpus, a
+# third of the width and two layers, so that it costs a fraction of a decode step.
+DRAFT_CONFIG = {
+    **CONFIG,
+    "hidden_size": 96,
+    "num_hidden_layers": 2,
+    "intermediate_size": 288,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 3,
 }
 
 
@@ -161,7 +174,10 @@ def main():
     from safetensors.numpy import save_file
 
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    p.add_argument("--out", type=Path, default=None, help="default: node/default_model "
+                   "(node/default_draft with --draft)")  # fmt: skip
+    p.add_argument("--draft", action="store_true", help="train the default model's draft, "
+                   "with the default model's tokenizer")  # fmt: skip
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=128)
@@ -169,9 +185,17 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
+    cfg = DRAFT_CONFIG if args.draft else CONFIG
+    args.out = args.out or (DRAFT_DIR if args.draft else DEFAULT_DIR)
     args.out.mkdir(parents=True, exist_ok=True)
     docs = corpus()
-    tokenizer = train_tokenizer(docs, CONFIG["vocab_size"], args.out)
+    if args.draft:  # the draft must share the model's tokenizer, token for token
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(DEFAULT_DIR)
+        tokenizer.save_pretrained(args.out)
+    else:
+        tokenizer = train_tokenizer(docs, CONFIG["vocab_size"], args.out)
     ids = []
     for d in docs:
         ids.extend(tokenizer.encode(d))
@@ -180,7 +204,7 @@ def main():
     print(f"corpus: {len(docs)} documents, {tokens.numel()} tokens", flush=True)
 
     torch.manual_seed(args.seed)
-    model = build_torch_llama(CONFIG)
+    model = build_torch_llama(cfg)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = max(1, args.steps // 20)
@@ -213,7 +237,7 @@ def main():
     model.eval()
     weights = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
     save_file(weights, str(args.out / "model.safetensors"), metadata={"format": "mlx"})
-    config = dict(CONFIG, eos_token_id=tokenizer.eos_token_id, torch_dtype="float32")
+    config = dict(cfg, eos_token_id=tokenizer.eos_token_id, torch_dtype="float32")
     (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     with torch.no_grad():
         diff = check_with_mlx(args.out, model, ids[:64])

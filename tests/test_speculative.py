@@ -178,3 +178,16 @@ def test_bench_rows_with_and_without_the_draft_side_by_side(drafts, tmp_path):
     assert drafted["tokens_sha"] == plain["tokens_sha"]  # the same tokens, greedy
     assert drafted["draft_accepted"] == 1.0 and drafted["vs_no_draft"]["generation_tps"] > 0
     assert "| tensor +draft | 2 |" in p.stdout and "gen vs no draft" in p.stdout
+
+
+@pytest.mark.e2e
+def test_the_embedded_models_draft_works_out_of_the_box():
+    """``--draft-model default``: the small draft trained with the embedded model (same
+    tokenizer, same corpus) gives the same text and gets most of its proposals accepted."""
+    plain = run_cli("launch", "--max-tokens", 48, "--json", PROMPT)
+    drafted = run_cli("launch", "--max-tokens", 48, "--json", "--draft-model", "default", PROMPT)
+    assert plain.returncode == drafted.returncode == 0, drafted.stderr
+    plain, drafted = json.loads(plain.stdout), json.loads(drafted.stdout)
+    assert drafted["text"] == plain["text"]
+    timings = drafted["timings"]
+    assert timings["draft_n_accepted"] > timings["draft_n"] / 3, timings

@@ -14,7 +14,7 @@ import click
 
 from ..hostfile import BACKENDS, Hostfile, HostfileError, load_hostfile, local_hostfile
 from ..launcher import LaunchError, run_job
-from ..modelcheck import MODES, default_model_path
+from ..modelcheck import MODES, default_draft_path, default_model_path
 from ..spec import (
     Draft,
     JobSpec,
@@ -410,7 +410,7 @@ DRAFT = {  # Draft: speculative decoding
         metavar="PATH_OR_REPO",
         help="Speculative decoding: a small model with the same tokenizer proposes tokens, "
         "loaded whole on every rank; the model verifies --num-draft-tokens + 1 in one pass. "
-        "The text is the same as without it.",
+        "The text is the same as without it. 'default': the embedded default model's draft.",
     ),
     "num_draft_tokens": click.option(
         "--num-draft-tokens",
@@ -453,6 +453,8 @@ def draft_of(values: dict) -> Draft:
     draft = pick(Draft, values)
     if draft.draft_model and draft.prompt_lookup:
         raise click.UsageError("--draft-model and --prompt-lookup: choose one proposer")
+    if draft.draft_model == "default":
+        draft.draft_model = str(default_draft_path())
     return draft
 
 
