@@ -240,6 +240,8 @@ def our_command(config: Config, plan: BenchPlan, hostfile: Hostfile) -> str:
             else f"--prompt-lookup {d.prompt_lookup}"
         )
         mode += f" {proposer} --num-draft-tokens {d.num_draft_tokens}"
+        if d.draft_model and d.draft_on != "every":
+            mode += f" --draft-on {d.draft_on}"
     return (
         f"mlx-cluster bench {where} --model {plan.model}{mode} --ranks {config.ranks} "
         f"--prompt-tokens {plan.prompt_tokens} --gen-tokens {plan.gen_tokens} "

@@ -97,6 +97,7 @@ class Draft:
     draft_model: str | None = None  # a small model with the same tokenizer, whole on each rank
     num_draft_tokens: int = 3  # K: tokens proposed per verifying pass
     prompt_lookup: int = 0  # proposals from n-grams (up to this long) of the prompt and answer
+    draft_on: str = "every"  # the draft model on every rank, or on "rank0" (proposals shared)
 
     @property
     def on(self) -> bool:

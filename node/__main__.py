@@ -79,7 +79,7 @@ def run(spec: JobSpec) -> None:
     if spec.draft.on:
         from .draft import load_draft
 
-        loaded.speculation = load_draft(spec.draft, loaded)
+        loaded.speculation = load_draft(spec.draft, loaded, group)
     barrier(group)
     emit(Ready(time.perf_counter() - tic, layers=loaded.layers, files=loaded.files))
 

@@ -21,8 +21,7 @@ from mlx_lm.generate import generation_stream
 from cluster.protocol import BenchComm, BenchRun, FirstToken, Phase
 from cluster.spec import BenchSettings, Sampling
 
-from .draft import draft_counts
-from .generate import AnswerText, stream, token_stream
+from .generate import AnswerText, draft_counts, stream, token_stream
 from .sampling import settings
 
 COLLECTIVES = ("all_sum", "all_gather", "all_max", "all_min", "send", "recv", "recv_like")

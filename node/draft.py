@@ -96,8 +96,36 @@ class Speculation:
     k: int  # tokens it proposes per verifying pass
 
 
-def load_draft(draft: Draft, loaded) -> Speculation:
-    """The proposer every rank builds alike."""
+class SharedDraft:
+    """``--draft-on rank0``: the draft model runs on rank 0 only; each of its calls ends with
+    an all_sum of its last logits (rank 0 gives them, the others zeros), so every rank samples
+    the same proposal from the same logits. The other ranks keep only a count of the tokens."""
+
+    def __init__(self, model, group, vocab_size: int):
+        self.model = model  # rank 0's draft; None elsewhere
+        self.group = group
+        self.vocab_size = vocab_size
+        self.layers: list = []
+
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model) if self.model is not None else [TokenHistory()]
+
+    def __call__(self, inputs: mx.array, cache: list) -> mx.array:
+        if self.model is None:
+            cache[0].tokens += inputs.reshape(-1).tolist()
+            mine = mx.zeros((1, 1, self.vocab_size), dtype=mx.float32)
+        else:
+            mine = self.model(inputs, cache=cache)[:, -1:, : self.vocab_size].astype(mx.float32)
+            if mine.shape[-1] < self.vocab_size:  # a draft with a smaller head: pad it
+                pad = mx.full((1, 1, self.vocab_size - mine.shape[-1]), -1e9, mx.float32)
+                mine = mx.concatenate([mine, pad], axis=-1)
+        return mx.distributed.all_sum(mine, group=self.group)
+
+
+def load_draft(draft: Draft, loaded, group) -> Speculation:
+    """The proposer every rank builds alike (``--draft-on rank0``: rank 0's draft, shared)."""
     if loaded.processor is not None:
         raise ModelError("speculative decoding is for text models; drop --draft-model and "
                          "--prompt-lookup for a vision-language model")  # fmt: skip
@@ -108,6 +136,11 @@ def load_draft(draft: Draft, loaded) -> Speculation:
 
     from .load import resolve_model
 
+    shared = draft.draft_on == "rank0" and group.size() > 1
+    if shared and group.rank() != 0:
+        return Speculation(
+            SharedDraft(None, group, vocab_size(loaded.model)), draft.num_draft_tokens
+        )
     path = resolve_model(draft.draft_model)
     draft_model, _ = load_model(path)
     draft_tokenizer = load_tokenizer(path)
@@ -117,21 +150,6 @@ def load_draft(draft: Draft, loaded) -> Speculation:
             "share the main model's tokenizer (the same family, a smaller size)"
         )
     mx.eval(draft_model.parameters())
+    if shared:
+        draft_model = SharedDraft(draft_model, group, vocab_size(loaded.model))
     return Speculation(draft_model, draft.num_draft_tokens)
-
-
-def draft_counts(responses_from_draft: list[bool], k: int, max_tokens: int) -> tuple[int, int]:
-    """(tokens drafted, tokens accepted) of an answer, from each token's ``from_draft``.
-
-    Each round of mlx-lm's speculative step drafts min(K, tokens left) and ends with one token
-    of the main model's own, so rounds start at the first token and after each of those."""
-    drafted = accepted = 0
-    generated = 0
-    new_round = True
-    for from_draft in responses_from_draft:
-        if new_round:
-            drafted += min(k, max_tokens - generated)
-        accepted += from_draft
-        generated += 1
-        new_round = not from_draft
-    return drafted, accepted

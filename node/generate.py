@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import generation_stream, stream_generate
 
 from cluster.spec import Request, Template
@@ -92,12 +93,27 @@ def generate(
         on_response=on_response,
     )
     if speculation is not None:
-        from .draft import draft_counts
-
         k, most = speculation.k, sampling_of(request).max_tokens
         drafted, accepted = draft_counts(answer.from_draft, k, most)
         answer.stats["timings"].update(draft_n=drafted, draft_n_accepted=accepted)
     return answer
+
+
+def draft_counts(responses_from_draft: list[bool], k: int, max_tokens: int) -> tuple[int, int]:
+    """(tokens drafted, tokens accepted) of an answer, from each token's ``from_draft``.
+
+    Each round of mlx-lm's speculative step drafts min(K, tokens left) and ends with one token
+    of the main model's own, so rounds start at the first token and after each of those."""
+    drafted = accepted = 0
+    generated = 0
+    new_round = True
+    for from_draft in responses_from_draft:
+        if new_round:
+            drafted += min(k, max_tokens - generated)
+        accepted += from_draft
+        generated += 1
+        new_round = not from_draft
+    return drafted, accepted
 
 
 def token_stream(
@@ -112,6 +128,7 @@ def token_stream(
     extra = {}
     if speculation is not None:
         extra = {"draft_model": speculation.proposer, "num_draft_tokens": speculation.k}
+        model = Ticking(model)  # mlx-lm drops the prefill callback when it speculates
     return stream_generate(
         model,
         tokenizer,
@@ -123,6 +140,28 @@ def token_stream(
         prompt_progress_callback=lambda *_: progress.tick(),
         **extra,
     )
+
+
+class Ticking(nn.Module):
+    """The model, ticking the rank's progress at each call: a long prefill in chunks is
+    progress, not a stalled collective (node.watchdog). A Module holding the model, so that
+    mlx-lm still counts its weights (wired_limit)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        progress.tick()
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "model" not in self:  # while __init__ sets it
+                raise
+            return getattr(self["model"], name)
 
 
 class StopText:

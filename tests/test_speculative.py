@@ -44,16 +44,20 @@ def launch_json(model, *args) -> dict:
         (2, "tensor", "lookup"),
         (3, "pipeline", "small"),
         (3, "tensor", "itself"),
+        (2, "pipeline", "itself@rank0"),  # --draft-on rank0: rank 0's proposals shared
+        (3, "tensor", "small@rank0"),
     ],
 )
 def test_greedy_text_is_the_models_own(drafts, ranks, mode, proposer):
     model = drafts["model"]
-    how = ["--prompt-lookup", 2] if proposer == "lookup" else ["--draft-model", drafts[proposer]]
+    name, _, where = proposer.partition("@")
+    how = ["--prompt-lookup", 2] if name == "lookup" else ["--draft-model", drafts[name]]
+    how += ["--draft-on", where] if where else []
     out = launch_json(model, "-n", ranks, "--mode", mode, "--num-draft-tokens", 3, *how)
     assert out["text"] == reference(model, PROMPT, MAX_TOKENS)
     timings = out["timings"]
     assert 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
-    if proposer == "itself":  # every proposal is right: 3 accepted per pass of 4 tokens
+    if name == "itself":  # every proposal is right: 3 accepted per pass of 4 tokens
         assert timings["draft_n_accepted"] == timings["draft_n"] == MAX_TOKENS // 4 * 3
 
 

@@ -419,6 +419,15 @@ DRAFT = {  # Draft: speculative decoding
         show_default=True,
         help="Tokens proposed per verifying pass (with --draft-model or --prompt-lookup).",
     ),
+    "draft_on": click.option(
+        "--draft-on",
+        type=click.Choice(["every", "rank0"]),
+        default=default(Draft, "draft_on"),
+        show_default=True,
+        help="Where --draft-model runs: on every rank (each proposes the same tokens, no "
+        "communication; each holds the draft's weights), or on rank 0 only (its logits are "
+        "shared with one all_sum per drafted token; the other ranks need no draft).",
+    ),
     "prompt_lookup": click.option(
         "--prompt-lookup",
         type=click.IntRange(0, 64),
