@@ -142,6 +142,12 @@ def load_draft(draft: Draft, loaded, group) -> Speculation:
             SharedDraft(None, group, vocab_size(loaded.model)), draft.num_draft_tokens
         )
     path = resolve_model(draft.draft_model)
+    if not (path / "config.json").exists():
+        raise ModelError(
+            f"draft model {draft.draft_model}: no checkpoint there on this host; the draft must "
+            "be at the same path on every host (mlx-cluster sync copies --model only: sync the "
+            "draft with --model too), or name a Hugging Face repo"
+        )
     draft_model, _ = load_model(path)
     draft_tokenizer = load_tokenizer(path)
     if draft_tokenizer.get_vocab() != loaded.tokenizer.get_vocab():

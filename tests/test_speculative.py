@@ -195,3 +195,14 @@ def test_the_embedded_models_draft_works_out_of_the_box():
     assert drafted["text"] == plain["text"]
     timings = drafted["timings"]
     assert 0 < timings["draft_n_accepted"] <= timings["draft_n"], timings
+
+
+@pytest.mark.e2e
+def test_a_missing_or_foreign_draft_is_named(drafts, tmp_path):
+    from tiny import make_model
+
+    p = run_cli("launch", "--model", drafts["model"], "--draft-model", tmp_path / "nowhere", "x")
+    assert p.returncode == 2 and "no checkpoint there on this host" in p.stderr
+    foreign = make_model(tmp_path / "foreign", "llama", seed=1, vocab_size=384)
+    p = run_cli("launch", "--model", drafts["model"], "--draft-model", foreign, "x")
+    assert p.returncode == 2 and "its tokenizer is not the model's" in p.stderr
