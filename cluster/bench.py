@@ -77,10 +77,6 @@ class Config:
             " with the draft" if self.draft else ""
         )
 
-    @property
-    def key(self) -> tuple:
-        return self.impl, self.mode, self.ranks, self.draft
-
 
 def configs(plan: BenchPlan) -> list[Config]:
     """What to run, in order: one rank first (the baseline), then each mode by rank count;

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import IO
 
+import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from cluster.protocol import CANCEL, END_OF_INPUT, AwaitingInput, Notice, Phase, Stats
@@ -139,8 +140,6 @@ class TurnCache:
             if held > offset:  # its last proposals, rejected
                 trim_prompt_cache(draft, held - offset)
             elif held < offset:  # the last accepted tokens it never saw
-                import mlx.core as mx
-
                 self.proposer(mx.array(self.tokens[held:offset])[None], cache=draft)
                 mx.eval([c.state for c in draft])
 

@@ -25,10 +25,17 @@ NO_MATCH = -1
 
 
 class TokenHistory:
-    """The look-up "cache": the tokens seen so far, trimmed like a KV cache on a rejection."""
+    """The look-up "cache": the tokens seen so far, trimmed like a KV cache on a rejection.
 
-    def __init__(self):
+    With ``ngram`` it also indexes every n-gram (n up to ``ngram``) that has a token after it:
+    the n-gram -> where it last started. A look-up is then a dict access, not a scan of a long
+    prompt on every drafted token. A trim leaves the index as it is; an entry that points past
+    the end, or at tokens that changed, is caught when it is read."""
+
+    def __init__(self, ngram: int = 0):
         self.tokens: list[int] = []
+        self.ngram = ngram
+        self.starts: dict[tuple[int, ...], int] = {}
 
     @property
     def state(self):
@@ -50,6 +57,28 @@ class TokenHistory:
     def empty(self) -> bool:
         return not self.tokens
 
+    def extend(self, new: list[int]) -> None:
+        tokens = self.tokens
+        for token in new:
+            tokens.append(token)
+            end = len(tokens) - 1  # the n-grams that end just before this token
+            for n in range(1, min(self.ngram, end) + 1):
+                self.starts[tuple(tokens[end - n : end])] = end - n
+
+    def follower(self, n: int) -> int | None:
+        """The token after the latest earlier occurrence of the last ``n`` tokens, if any."""
+        tokens = self.tokens
+        tail = tuple(tokens[-n:])
+        start = self.starts.get(tail)
+        if start is None:  # entries are never removed: it never occurred
+            return None
+        if start + n < len(tokens) and tuple(tokens[start : start + n]) == tail:
+            return tokens[start + n]
+        for start in range(len(tokens) - n - 1, -1, -1):  # a stale entry (a trim): scan
+            if tuple(tokens[start : start + n]) == tail:
+                return tokens[start + n]
+        return None
+
 
 class PromptLookup:
     """A draft "model" that proposes the token that followed the latest earlier occurrence of
@@ -60,26 +89,24 @@ class PromptLookup:
     def __init__(self, ngram: int, vocab_size: int):
         self.ngram = ngram
         self.vocab_size = vocab_size
-        self.layers: list = []
 
     def make_cache(self) -> list[TokenHistory]:
-        return [TokenHistory()]
+        return [TokenHistory(self.ngram)]
 
     def __call__(self, inputs: mx.array, cache: list[TokenHistory]) -> mx.array:
         history = cache[0]
-        history.tokens += inputs.reshape(-1).tolist()
-        guess = self.propose(history.tokens)
+        history.extend(inputs.reshape(-1).tolist())
+        guess = self.propose(history)
         logits = mx.full((1, 1, self.vocab_size), -1e9, dtype=mx.float32)
         logits[0, 0, guess] = 0.0
         return logits
 
-    def propose(self, tokens: list[int]) -> int:
-        for n in range(min(self.ngram, len(tokens) - 1), 0, -1):
-            tail = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):  # the latest occurrence first
-                if tokens[start : start + n] == tail:
-                    return tokens[start + n]
-        return tokens[-1]  # nothing to go on: a repeat is as good a guess as any
+    def propose(self, history: TokenHistory) -> int:
+        for n in range(min(self.ngram, len(history.tokens) - 1), 0, -1):
+            found = history.follower(n)
+            if found is not None:
+                return found
+        return history.tokens[-1]  # nothing to go on: a repeat is as good a guess as any
 
 
 def vocab_size(model) -> int:
@@ -105,7 +132,6 @@ class SharedDraft:
         self.model = model  # rank 0's draft; None elsewhere
         self.group = group
         self.vocab_size = vocab_size
-        self.layers: list = []
 
     def make_cache(self) -> list:
         from mlx_lm.models.cache import make_prompt_cache
@@ -114,7 +140,7 @@ class SharedDraft:
 
     def __call__(self, inputs: mx.array, cache: list) -> mx.array:
         if self.model is None:
-            cache[0].tokens += inputs.reshape(-1).tolist()
+            cache[0].extend(inputs.reshape(-1).tolist())
             mine = mx.zeros((1, 1, self.vocab_size), dtype=mx.float32)
         else:
             mine = self.model(inputs, cache=cache)[:, -1:, : self.vocab_size].astype(mx.float32)

@@ -63,11 +63,45 @@ def test_greedy_text_is_the_models_own(drafts, ranks, mode, proposer):
 
 @pytest.mark.e2e
 def test_the_same_seed_gives_the_same_sampled_text(drafts):
-    args = ["-n", 2, "--draft-model", drafts["small"], "--temp", 1.0, "--seed", 7]
-    first = launch_json(drafts["model"], *args)
-    assert first["text"] and launch_json(drafts["model"], *args)["text"] == first["text"]
+    args = ["-n", 2, "--draft-model", drafts["small"], "--temp", 1.0]
+    first = launch_json(drafts["model"], *args, "--seed", 7)
+    assert (
+        first["text"] and launch_json(drafts["model"], *args, "--seed", 7)["text"] == first["text"]
+    )
+    # and it is sampled: another seed, another text, and not the greedy one
+    assert launch_json(drafts["model"], *args, "--seed", 8)["text"] != first["text"]
+    assert first["text"] != reference(drafts["model"], PROMPT, MAX_TOKENS)
     p = run_cli("launch", "--draft-model", drafts["small"], "--prompt-lookup", 2, "x")
     assert p.returncode == 2 and "choose one proposer" in p.stderr
+
+
+def test_indexed_prompt_look_up_proposes_what_a_scan_would():
+    """PromptLookup's n-gram index against the plain scan it replaces, through appends and
+    trims (rejections) on a small vocabulary, so that matches and stale entries are common."""
+    import random
+
+    import mlx.core as mx
+
+    from node.draft import PromptLookup
+
+    def scan(tokens: list[int], ngram: int) -> int:
+        for n in range(min(ngram, len(tokens) - 1), 0, -1):
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == tokens[-n:]:
+                    return tokens[start + n]
+        return tokens[-1]
+
+    rng = random.Random(0)
+    for _ in range(100):
+        lookup = PromptLookup(3, 16)
+        cache = lookup.make_cache()
+        lookup(mx.array([[rng.randrange(8) for _ in range(rng.randrange(2, 30))]]), cache)
+        for _ in range(40):
+            if rng.random() < 0.3:
+                cache[0].trim(rng.randrange(4))
+            new = [rng.randrange(8) for _ in range(2 if len(cache[0].tokens) < 2 else 1)]
+            proposed = lookup(mx.array([new]), cache)[0, 0].argmax().item()
+            assert proposed == scan(cache[0].tokens, 3)
 
 
 def chi_square_ok(counts: dict[int, int], probs: list[float], n: int) -> tuple[float, float]:
