@@ -10,6 +10,10 @@ from matrix import reference  # noqa: F401  (the single-process baseline of ever
 from tiny import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
+# No test may reach the real Hub (there is no internet here, and a test must not depend on it):
+# a download goes to this closed port, unless the test points HF_ENDPOINT at its own stand-in.
+os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
+
 CLI = shutil.which("mlx-cluster", path=str(Path(sys.executable).parent)) or "mlx-cluster"
 
 

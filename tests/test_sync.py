@@ -11,6 +11,8 @@ import pytest
 from conftest import reference, run_cli
 from sshd import SSHD
 
+from cluster.transfer import MANIFEST
+
 pytestmark = pytest.mark.skipif(not Path(SSHD).exists(), reason="needs openssh-server")
 
 PROMPT = "Tell me about lists"
@@ -36,6 +38,13 @@ def sync(*args):
 
 def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def held(directory: Path) -> set[str]:
+    """The model files in a synced directory (its manifest aside, which must be there)."""
+    names = {f.name for f in directory.iterdir()}
+    assert MANIFEST in names
+    return names - {MANIFEST}
 
 
 def layer_files(model: Path, start: int, end: int) -> set[str]:
@@ -65,7 +74,7 @@ def test_pipeline_ranks_get_their_files_a_second_sync_sends_nothing_and_ranks_lo
     assert wanted[0] != wanted[1]
     for host, expected, d in zip(report["hosts"], wanted, ("h0", "h1"), strict=True):
         assert host["error"] is None
-        there = {f.name for f in (tmp_path / d / "llama").iterdir()}
+        there = held(tmp_path / d / "llama")
         assert there == expected  # exactly its files, no .part left
         assert all(sha(tmp_path / d / "llama" / n) == sha(model / n) for n in there)
         assert host["bytes_sent"] == sum((model / n).stat().st_size for n in expected)
@@ -94,7 +103,7 @@ def test_truncated_and_corrupt_files_are_sent_again(sshd, models, tmp_path):
     p, _ = sync("--hostfile", hf, "--model", model, "--mode", "tensor")
     assert p.returncode == 0, p.stderr
     weights = sorted(f.name for f in model.glob("*.safetensors"))
-    assert {f.name for f in (tmp_path / "h1" / "qwen2").iterdir()} == {
+    assert held(tmp_path / "h1" / "qwen2") == {
         f.name for f in model.iterdir()
     }  # tensor: every file
     truncated = tmp_path / "h1" / "qwen2" / weights[0]
@@ -129,7 +138,7 @@ def test_a_partial_copy_that_is_not_a_prefix_is_sent_whole(sshd, models, tmp_pat
     assert p.returncode == 0, p.stderr
     f = next(f for f in report["hosts"][1]["files"] if f["name"] == name)
     size = (model / name).stat().st_size
-    assert f["action"] == "resent" and f["sent"] == size - len(b"not the file") + size
+    assert f["action"] == "resent" and f["sent"] == size  # its prefix checked first: no waste
     assert sha(tmp_path / "h1" / "llama" / name) == sha(model / name)
 
 
@@ -149,8 +158,13 @@ def test_human_report_and_errors(sshd, models, tmp_path):
 
     p = run_cli("sync", "--hostfile", hf, "--model", tmp_path / "nope")
     assert p.returncode == 2 and "no such model directory" in p.stderr
-    p = run_cli("sync", "--hostfile", hf, "--model", "someone/not-cached-anywhere")
+    p = run_cli("sync", "--hostfile", hf, "--model", "someone/not-cached-anywhere", "--offline")
     assert p.returncode == 2 and "not in the local Hugging Face cache" in p.stderr
+    assert "--offline" in p.stderr and "hf download someone/not-cached-anywhere" in p.stderr
+    p = run_cli("sync", "--hostfile", hf, "--model", "someone/not-cached-anywhere")
+    assert p.returncode == 2  # conftest points HF_ENDPOINT at a closed port: no internet
+    assert "cannot download it from http://127.0.0.1:9" in p.stderr
+    assert "download it elsewhere" in p.stderr and "Traceback" not in p.stderr
     p = run_cli("sync", "--hostfile", hf)
     assert p.returncode == 2 and "--model is required" in p.stderr
 
@@ -166,7 +180,7 @@ def test_entries_of_one_host_and_directory_are_copied_once(models, tmp_path):
     assert p.returncode == 0, p.stderr
     first, second = report["hosts"]
     assert second["same_as"] == 0 and second["bytes_sent"] == 0 and second["error"] is None
-    assert {f.name for f in (tmp_path / "m" / "llama").iterdir()} == {
+    assert held(tmp_path / "m" / "llama") == {
         f.name for f in model.iterdir()
     }  # the union of the two pipeline ranks' files: all of them
     assert first["bytes_sent"] == sum(f.stat().st_size for f in model.iterdir())
@@ -227,7 +241,7 @@ def test_a_repo_from_the_local_hugging_face_cache(models, tmp_path):
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["model"] == str(snapshot)
     copied = tmp_path / "m" / "tiny-llama"
-    assert {f.name for f in copied.iterdir()} == {f.name for f in Path(models["llama"]).iterdir()}
+    assert held(copied) == {f.name for f in Path(models["llama"]).iterdir()}
     # and the ranks find it there under the repo's name
     p = run_cli(
         "launch",

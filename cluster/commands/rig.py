@@ -11,6 +11,7 @@ import click
 from ..doctor import INSTALL_PROBLEMS, fmt_bytes
 from ..hostfile import BACKENDS, HostfileError
 from ..modelcheck import ModelError
+from ..sync import FAN_OUTS, TRANSPORTS
 from ..topology import DEFAULT_SUBNETS
 from .options import HOST, HOSTFILE, resolve_hostfile, with_options
 
@@ -47,31 +48,88 @@ def stderr_progress():
     "each host's model_dir from the hostfile.",
 )
 @click.option(
+    "--transport",
+    type=click.Choice(TRANSPORTS),
+    default="ssh",
+    show_default=True,
+    help="How the bytes leave this machine: ssh (OpenSSH's client, encrypted), or tcp (a plain "
+    "TCP stream authorised by a one-time token sent over SSH; for a private cable only).",
+)
+@click.option(
+    "--fan-out",
+    type=click.Choice(FAN_OUTS),
+    default="chain",
+    show_default=True,
+    help="chain: this machine sends each file once, to the first host, and each host passes it "
+    "on to the next over the hostfile's ips (plain TCP with a one-time token); direct: every "
+    "host gets its files from this machine.",
+)
+@click.option(
+    "--streams",
+    type=click.IntRange(1, 16),
+    default=2,
+    show_default=True,
+    help="Files sent in parallel, each on its own stream (one SSH cipher runs on one core).",
+)
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Hash every file again, here and on the hosts, instead of trusting the manifests.",
+)
+@click.option(
+    "--offline",
+    is_flag=True,
+    help="Never download: a repo not fully in the local Hugging Face cache is an error.",
+)
+@click.option(
     "--json", "as_json", is_flag=True, help="Print the report as JSON (bytes sent per host)."
 )
-def sync(hostfile, num_ranks, backend, accept_new_host_keys, model, mode, split, dest, as_json):
-    """Copy each host the model files its ranks read, over SFTP.
+def sync(
+    hostfile,
+    num_ranks,
+    backend,
+    accept_new_host_keys,
+    model,
+    mode,
+    split,
+    dest,
+    transport,
+    fan_out,
+    streams,
+    verify,
+    offline,
+    as_json,
+):
+    """Copy each host the model files its ranks read, each file sent once.
 
     Pipeline ranks get the safetensors holding their layers (with the split launch would use:
     --split, else by memory_gb, else even), plus config and tokenizer files; tensor ranks get
-    every file. --model is a local directory or a repo already in this machine's Hugging Face
-    cache; the hosts need no internet. Files go to <model_dir>/<model name> on each host, where
-    `launch`, `chat`, `serve` and `bench` then load them from.
+    every file. --model is a local directory or a Hugging Face repo: from this machine's cache,
+    else only the files the ranks need are downloaded here (the hosts need no internet). Files
+    go to <model_dir>/<model name> on each host, where `launch`, `chat`, `serve` and `bench`
+    then load them from.
 
-    A file already there with the same size and sha256 is skipped; a partial copy (from an
-    interrupted sync, or a truncated file) is resumed; every copy is verified by sha256 before
-    it takes its final name. Exits 1 if any host failed, 130 on Ctrl-C (run again to resume).
+    The files travel through OpenSSH's own client (the hostfile's key and known_hosts) to the
+    first host, which passes them on to the next over the rig's links (--fan-out chain), so
+    this machine sends each byte once however many hosts there are. Bytes are hashed as they
+    pass; a copy takes its name only once its sha256 matches the source's. Each host keeps a
+    manifest (name, size, mtime, sha256) in the directory: an unchanged file is skipped without
+    being read, a file whose size or mtime changed is hashed again, --verify hashes all. A
+    partial copy (an interrupted sync, a truncated file) is resumed. Exits 1 if any host failed,
+    130 on Ctrl-C (run again to resume).
 
     \b
     Examples:
       mlx-cluster sync --hostfile rig.yaml --model ~/models/Qwen3-235B-4bit
       mlx-cluster sync --hostfile rig.yaml --model mlx-community/Llama-3.3-70B-4bit --mode tensor
+      mlx-cluster sync --hostfile rig.yaml --model ~/models/Kimi-K2 --transport tcp --verify
     """
-    from ..sync import run_sync
+    from ..sync import SyncSettings, run_sync
 
     if model is None:
-        raise click.UsageError("--model is required: the model directory (or cached repo) to copy")
+        raise click.UsageError("--model is required: the model directory (or repo) to copy")
     hf = resolve_hostfile(hostfile, num_ranks, backend)
+    settings = SyncSettings(transport, fan_out, streams, verify, offline)
     with stderr_progress() as bars:
 
         def progress(host, total):
@@ -79,7 +137,9 @@ def sync(hostfile, num_ranks, backend, accept_new_host_keys, model, mode, split,
             return lambda n: bars.advance(task, n)
 
         try:
-            source, results = run_sync(hf, model, mode, split, dest, accept_new_host_keys, progress)
+            source, results = run_sync(
+                hf, model, mode, split, dest, accept_new_host_keys, progress, settings
+            )
         except (ModelError, ValueError) as e:
             raise click.UsageError(str(e)) from None
         except KeyboardInterrupt:
