@@ -37,6 +37,7 @@ from .shards import rank_weight_files
 PART = transfer.PART
 TRANSPORTS = ("ssh", "tcp")
 FAN_OUTS = ("chain", "direct")
+CONTROL_TIMEOUT = 30.0  # seconds for a receiver to listen or connect (hashing has no limit)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx", ".h5", ".msgpack")
 
 
@@ -48,8 +49,8 @@ class Stopped(Exception):
 
 
 def source_dir(model: str, offline: bool = False) -> Path:
-    """A local model directory, or a repo's snapshot: from the local Hugging Face cache, else
-    its config and tokenizer files downloaded (the weights come later, only those needed)."""
+    """A local model directory, or a repo's snapshot: its config and tokenizer files from the
+    local Hugging Face cache, else downloaded (the weights come later: only those needed)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -57,19 +58,21 @@ def source_dir(model: str, offline: bool = False) -> Path:
         raise ModelError(f"{model}: no such model directory")
     from huggingface_hub import snapshot_download
 
+    offline = offline or _hub_offline()
+    meta = [f"*{suffix}" for suffix in WEIGHT_SUFFIXES] + ["*/*"]
     try:
-        return Path(snapshot_download(model, local_files_only=True))
+        snapshot = Path(snapshot_download(model, local_files_only=True, ignore_patterns=meta))
     except Exception:  # the hub client raises several kinds; all mean "not in the cache"
-        if offline or _hub_offline():
+        if offline:
             raise ModelError(
                 f"{model}: not a local directory and not in the local Hugging Face cache, and "
                 "--offline (or HF_HUB_OFFLINE) forbids downloading it; download it where there "
                 f"is internet (`hf download {model}`) and pass its directory"
             ) from None
-    ignore = [f"*{suffix}" for suffix in WEIGHT_SUFFIXES] + ["*/*"]
-    snapshot = Path(_download(model, ignore_patterns=ignore))
-    if not (snapshot / "model.safetensors.index.json").exists():  # one file: every rank's
-        snapshot = Path(_download(model, allow_patterns=["model*.safetensors"]))
+        snapshot = Path(_download(model, ignore_patterns=meta))
+    single = not (snapshot / "model.safetensors.index.json").exists()
+    if single and not any(snapshot.glob("model*.safetensors")) and not offline:
+        snapshot = Path(_download(model, allow_patterns=["model*.safetensors"]))  # every rank's
     return snapshot
 
 
@@ -267,9 +270,13 @@ class Receiver:
         except OSError:
             pass  # the receiver is gone; expect() says why
 
-    def expect(self, op: str) -> dict:
-        """The next reply, which must be ``op``; an error reply or an exit raises OSError."""
-        message = self.replies.get()
+    def expect(self, op: str, timeout: float | None = None) -> dict:
+        """The next reply, which must be ``op``; an error reply, an exit or no answer within
+        ``timeout`` raises OSError."""
+        try:
+            message = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            raise OSError(f"no answer to `{op}` within {timeout:.0f} s") from None
         if message is None:
             self.proc.wait()
             why = "; ".join(line for line in self.stderr if line) or f"exit {self.proc.returncode}"
@@ -566,7 +573,7 @@ class Copy:
         for k in range(1, len(chain)):
             host, token = self.host(chain[k]), secrets.token_hex(16)
             receivers[k].send(op="listen", addresses=relay_addresses(host), token=token)
-            ports = receivers[k].expect("listening")["ports"]
+            ports = receivers[k].expect("listening", timeout=CONTROL_TIMEOUT)["ports"]
             if not ports:
                 raise OSError(f"{host.label}: has none of the addresses {host.ips} to listen on")
             candidates = [[a, p] for a, p in ports.items()]
@@ -574,16 +581,17 @@ class Copy:
                 op="forward", candidates=candidates, token=token, downstream=chain[k:]
             )
             try:
-                receivers[k - 1].expect("forwarding")
+                receivers[k - 1].expect("forwarding", timeout=CONTROL_TIMEOUT)
             except OSError as e:
                 raise OSError(
                     f"{self.host(chain[k - 1]).label} cannot pass the files on to {host.label}"
                     f" ({e}); check the rig's links, or sync with --fan-out direct"
                 ) from None
-            receivers[k].send(op="receive", **{"from": "socket"})
             self.results[chain[k]].upstream = chain[k - 1]
             if self.results[chain[k]].transport != "local":
                 self.results[chain[k]].transport = "tcp"
+        for receiver in receivers[1:]:  # only now: a receiver reads no command once it receives
+            receiver.send(op="receive", **{"from": "socket"})
         head, receiver = self.host(chain[0]), receivers[0]
         if head.is_local or self.settings.transport == "ssh":
             receiver.send(op="receive", **{"from": "stdin"})
@@ -591,7 +599,7 @@ class Copy:
         token = secrets.token_hex(16)
         address = socket.gethostbyname(head.hostname)
         receiver.send(op="listen", addresses=[address], token=token)
-        ports = receiver.expect("listening")["ports"]
+        ports = receiver.expect("listening", timeout=CONTROL_TIMEOUT)["ports"]
         receiver.send(op="receive", **{"from": "socket"})
         for address, port in ports.items():
             try:

@@ -233,15 +233,16 @@ class Receiver:
             for key, _ in selector.select(left):
                 conn, _ = key.fileobj.accept()
                 conn.settimeout(10)
+                stream = conn.makefile("rb", buffering=BLOCK)  # one reader: token, then stream
                 try:
-                    line = conn.makefile("rb").readline(256).decode().strip()
+                    line = stream.readline(256).decode().strip()
                 except (OSError, UnicodeDecodeError):
                     line = ""
                 if hmac.compare_digest(line, self.token):
                     conn.settimeout(IO_TIMEOUT)
                     for s in self.listeners:
                         s.close()
-                    return conn.makefile("rb", buffering=BLOCK)
+                    return stream
                 conn.close()
         self.reply(op="error", error="the upstream host never connected")
         sys.exit(1)
@@ -401,12 +402,13 @@ def main(argv: list[str]) -> None:
                     watch = threading.Thread(target=_exit_on_eof, args=(stdin,), daemon=True)
                     watch.start()  # the laptop went away: stop, whatever the socket does
                     r.receive(r.accept())
-                    return
+                    sys.stdout.flush()
+                    os._exit(0)  # the watcher holds stdin: no interpreter shutdown to wait on
             elif op == "bye":
                 return
-    except OSError as e:
+    except Exception as e:  # said to the laptop, which names the host
         r.reply(op="error", error=f"{type(e).__name__}: {e}")
-        sys.exit(1)
+        os._exit(1)
 
 
 def _size_or_zero(path: str) -> int:

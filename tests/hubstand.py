@@ -47,7 +47,8 @@ class Hub:
         item = {"type": "file", "oid": blob, "size": len(data)}
         item["path"] = path.relative_to(self.dir).as_posix()
         if path.suffix in (".safetensors", ".bin"):  # the Hub keeps weights in LFS
-            item["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}
+            lfs = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+            item["lfs"] = lfs
         return item
 
     def answer(self, req: BaseHTTPRequestHandler, body: bool) -> None:

@@ -211,6 +211,7 @@ def test_ctrl_c_keeps_the_partial_copy_and_the_next_sync_resumes_it(sshd, models
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "run it again to resume" in err
+    assert not receivers(tmp_path)  # neither here nor behind the SSH session
     kept = part.stat().st_size
     assert 0 < kept < (model / "model-extra.safetensors").stat().st_size
 
@@ -243,6 +244,196 @@ def test_a_repo_from_the_local_hugging_face_cache(models, tmp_path):
     copied = tmp_path / "m" / "tiny-llama"
     assert held(copied) == {f.name for f in Path(models["llama"]).iterdir()}
     # and the ranks find it there under the repo's name
+    p = run_cli(
+        "launch",
+        "--hostfile",
+        hf,
+        "--model",
+        "someone/tiny-llama",
+        "--max-tokens",
+        12,
+        PROMPT,
+        env=env,
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == reference(models["llama"], PROMPT, 12)
+
+
+def receivers(tmp_path: Path) -> list[str]:
+    """Receiver processes writing under this test's directory, which only it started."""
+    import subprocess
+
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if "receive" in line and str(tmp_path) in line]
+
+
+def remote_rig(sshd, tmp_path, n=2, prefix="r") -> Path:
+    """``n`` entries for the loopback sshd, each its own model_dir: n hosts as far as sync
+    can tell (a chain passes the files from one to the next over 127.0.0.1)."""
+    hosts = "".join(
+        f"  - ssh: 127.0.0.1:{sshd.port}\n    ips: [127.0.0.1]\n"
+        f"    model_dir: {tmp_path / f'{prefix}{i}'}\n"
+        for i in range(n)
+    )
+    path = tmp_path / f"{prefix}.yaml"
+    path.write_text(sshd.hostfile(hosts, sys.executable))
+    return path
+
+
+@pytest.mark.e2e
+def test_the_manifest_skips_unread_files_and_verify_reads_them(sshd, models, tmp_path):
+    """An unchanged file is skipped on the manifest's word (so a change that keeps size and
+    mtime goes unseen), a changed size or mtime is hashed again, --verify hashes everything."""
+    import os
+
+    model = Path(models["qwen2"])
+    hf = rig(sshd, tmp_path)
+    p, _ = sync("--hostfile", hf, "--model", model, "--mode", "tensor")
+    assert p.returncode == 0, p.stderr
+    copy = tmp_path / "h1" / "qwen2"
+    manifest = json.loads((copy / MANIFEST).read_text())
+    assert set(manifest) == held(copy)
+    for name, entry in manifest.items():
+        st = (copy / name).stat()
+        assert entry == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha(copy / name)}
+
+    weights = sorted(f.name for f in model.glob("*.safetensors"))
+    sneaky, touched, grown = (copy / w for w in weights[:3])
+    st = sneaky.stat()
+    data = bytearray(sneaky.read_bytes())
+    data[100] ^= 0xFF
+    sneaky.write_bytes(bytes(data))
+    os.utime(sneaky, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime
+    os.utime(touched)  # same bytes, a new mtime
+    with open(grown, "ab") as f:
+        f.write(b"more")
+
+    p, report = sync("--hostfile", hf, "--model", model, "--mode", "tensor")
+    assert p.returncode == 0, p.stderr
+    actions = {f["name"]: f["action"] for f in report["hosts"][1]["files"]}
+    assert actions[sneaky.name] == "skipped"  # the manifest vouched for it
+    assert actions[touched.name] == "skipped"  # hashed again: equal
+    assert actions[grown.name] == "sent" and sha(grown) == sha(model / grown.name)
+    assert sha(sneaky) != sha(model / sneaky.name)
+    assert json.loads((copy / MANIFEST).read_text())[touched.name]["mtime_ns"] == (
+        touched.stat().st_mtime_ns
+    )
+
+    p, report = sync("--hostfile", hf, "--model", model, "--mode", "tensor", "--verify")
+    assert p.returncode == 0, p.stderr
+    actions = {f["name"]: f["action"] for f in report["hosts"][1]["files"]}
+    assert actions[sneaky.name] == "sent" and sha(sneaky) == sha(model / sneaky.name)
+    assert {a for n, a in actions.items() if n != sneaky.name} == {"skipped"}
+
+
+@pytest.mark.e2e
+def test_plain_tcp_transport_copies_and_resumes(sshd, models, tmp_path):
+    model = Path(models["llama"])
+    hf = remote_rig(sshd, tmp_path, 1)
+    args = ("--hostfile", hf, "--model", model, "--mode", "tensor", "--transport", "tcp")
+    p, report = sync(*args)
+    assert p.returncode == 0, p.stderr
+    (host,) = report["hosts"]
+    assert host["transport"] == "tcp" and host["error"] is None
+    copy = tmp_path / "r0" / "llama"
+    assert held(copy) == {f.name for f in model.iterdir()}
+    assert all(sha(copy / n) == sha(model / n) for n in held(copy))
+
+    name = sorted(f.name for f in model.glob("*.safetensors"))[-1]
+    size = (copy / name).stat().st_size
+    with open(copy / name, "r+b") as f:
+        f.truncate(size // 2)
+    p, report = sync(*args)
+    assert p.returncode == 0, p.stderr
+    f = next(f for f in report["hosts"][0]["files"] if f["name"] == name)
+    assert (f["action"], f["sent"]) == ("resumed", size - size // 2)
+    assert sha(copy / name) == sha(model / name)
+
+
+@pytest.mark.e2e
+def test_hosts_pass_the_files_on_in_a_chain(sshd, models, tmp_path):
+    """Three hosts, tensor mode (each needs every file): this machine streams to the first,
+    which passes the stream to the second, and that to the third; each copy is whole."""
+    model = Path(models["llama"])
+    hf = remote_rig(sshd, tmp_path, 3)
+    p, report = sync("--hostfile", hf, "--model", model, "--mode", "tensor", "--streams", "1")
+    assert p.returncode == 0, p.stderr
+    total = sum(f.stat().st_size for f in model.iterdir())
+    upstreams = [(h["transport"], h["upstream"]) for h in report["hosts"]]
+    assert upstreams == [("ssh", None), ("tcp", 0), ("tcp", 1)]
+    for i, host in enumerate(report["hosts"]):
+        assert host["error"] is None and host["bytes_sent"] == total
+        copy = tmp_path / f"r{i}" / "llama"
+        assert held(copy) == {f.name for f in model.iterdir()}
+        assert all(sha(copy / n) == sha(model / n) for n in held(copy))
+
+    # pipeline: each host keeps its own layers' files and passes on what the next ones need
+    hf = remote_rig(sshd, tmp_path, 3, "p")
+    p, report = sync("--hostfile", hf, "--model", model)
+    assert p.returncode == 0, p.stderr
+    copies = [held(tmp_path / f"p{i}" / "llama") for i in range(3)]
+    weights = [{n for n in c if n.endswith(".safetensors")} for c in copies]
+    assert set().union(*weights) == layer_files(model, 0, 10**6)
+    assert all(w != weights[0] for w in weights[1:])  # not every host holds every file
+    for i, names in enumerate(copies):
+        assert all(sha(tmp_path / f"p{i}" / "llama" / n) == sha(model / n) for n in names)
+        assert report["hosts"][i]["bytes_sent"] == sum((model / n).stat().st_size for n in names)
+
+    # the same hosts, each fed from here
+    hf = remote_rig(sshd, tmp_path, 3, "d")
+    args = ("--hostfile", hf, "--model", model, "--mode", "tensor", "--fan-out", "direct")
+    p, report = sync(*args)
+    assert p.returncode == 0, p.stderr
+    assert [(h["transport"], h["upstream"]) for h in report["hosts"]] == [("ssh", None)] * 3
+    assert all(
+        held(tmp_path / f"d{i}" / "llama") == held(tmp_path / "r0" / "llama") for i in range(3)
+    )
+
+
+@pytest.mark.e2e
+def test_a_repo_missing_here_is_downloaded_only_the_files_the_ranks_need(models, tmp_path):
+    """HF_ENDPOINT points at a stand-in hub serving a repo with more than the ranks read: a
+    PyTorch copy, an `original/` folder, a safetensors file the index does not name."""
+    import shutil
+
+    from hubstand import Hub
+
+    repo = tmp_path / "repo"
+    shutil.copytree(models["llama"], repo)
+    (repo / "pytorch_model.bin").write_bytes(b"\0" * 4096)
+    (repo / "original").mkdir()
+    (repo / "original" / "consolidated.pth").write_bytes(b"\0" * 4096)
+    (repo / "model-unused.safetensors").write_bytes(b"\0" * 4096)
+    hub = Hub("someone/tiny-llama", repo)
+    try:
+        cache = tmp_path / "hub"
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(cache), "HF_HUB_DISABLE_XET": "1"}
+        hf = tmp_path / "rig.yaml"
+        hf.write_text(f"model_dir: {tmp_path / 'm'}\nhosts:\n  - ssh: localhost\n    slots: 2\n")
+        args = ("sync", "--json", "--hostfile", hf, "--model", "someone/tiny-llama")
+
+        p = run_cli(*args, "--offline", env=env)
+        assert p.returncode == 2 and "--offline" in p.stderr and hub.fetched == []
+
+        p = run_cli(*args, env=env)
+        assert p.returncode == 0, p.stderr
+        needed = {f.name for f in Path(models["llama"]).iterdir()}
+        assert set(hub.fetched) == needed  # each once, and nothing the ranks do not read
+        assert len(hub.fetched) == len(needed)
+        snapshot = Path(json.loads(p.stdout)["model"])
+        assert snapshot.is_relative_to(cache / "models--someone--tiny-llama" / "snapshots")
+        assert {f.name for f in snapshot.iterdir()} == needed
+        assert held(tmp_path / "m" / "tiny-llama") == needed
+        assert "Traceback" not in p.stderr
+
+        # the cache has it now: offline works, nothing fetched again, and the ranks run it
+        fetched = len(hub.fetched)
+        p = run_cli(*args, "--offline", env=env)
+        assert p.returncode == 0, p.stderr and len(hub.fetched) == fetched
+        assert {f["action"] for f in json.loads(p.stdout)["hosts"][0]["files"]} == {"skipped"}
+    finally:
+        hub.close()
+    env["HF_HUB_OFFLINE"] = "1"
     p = run_cli(
         "launch",
         "--hostfile",

@@ -164,9 +164,10 @@ def sync(
                 continue
             kinds = Counter(f.action for f in r.files)
             counts = ", ".join(f"{n} {a}" for a, n in sorted(kinds.items()))
+            via = f" from host {r.upstream}" if r.upstream is not None else ""
             click.echo(
                 f"{r.host.label}: {len(r.files)} files in {r.dest} ({counts}), "
-                f"{fmt_bytes(r.bytes_sent)} sent, all verified"
+                f"{fmt_bytes(r.bytes_sent)} received over {r.transport}{via}, all verified"
             )
     if dest and not all(hf.model_dir_of(h) == dest for h in hf.hosts):
         click.echo(
