@@ -321,6 +321,7 @@ class HostResult:
     same_as: int | None = None  # another entry of the same host and directory did the copy
     transport: str | None = None  # local, ssh or tcp: how the bytes reached this host
     upstream: int | None = None  # the host that passed the files on (None: this machine)
+    address: str | None = None  # where the upstream host reached this one
 
     @property
     def bytes_sent(self) -> int:
@@ -337,6 +338,7 @@ class HostResult:
             "same_as": self.same_as,
             "transport": self.transport,
             "upstream": self.upstream,
+            "address": self.address,
         }
 
 
@@ -581,13 +583,14 @@ class Copy:
                 op="forward", candidates=candidates, token=token, downstream=chain[k:]
             )
             try:
-                receivers[k - 1].expect("forwarding", timeout=CONTROL_TIMEOUT)
+                address = receivers[k - 1].expect("forwarding", timeout=CONTROL_TIMEOUT)["address"]
             except OSError as e:
                 raise OSError(
                     f"{self.host(chain[k - 1]).label} cannot pass the files on to {host.label}"
                     f" ({e}); check the rig's links, or sync with --fan-out direct"
                 ) from None
             self.results[chain[k]].upstream = chain[k - 1]
+            self.results[chain[k]].address = address
             if self.results[chain[k]].transport != "local":
                 self.results[chain[k]].transport = "tcp"
         for receiver in receivers[1:]:  # only now: a receiver reads no command once it receives

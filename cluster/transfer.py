@@ -63,10 +63,12 @@ def header(name: str, offset: int, size: int, mtime_ns: int, to: list[int]) -> b
 def send_file(out, path: str, entry: dict, digest, known: str | None, advance, stop) -> str:
     """One file onto a stream: header, bytes from ``entry['offset']``, trailer. ``digest`` is
     the hash of the bytes before the offset; it is continued as the bytes are read (one read
-    of the source), unless the file's sha256 is already ``known``. Returns the sha256."""
+    of the source, hashed in a thread while the previous chunk is written), unless the file's
+    sha256 is already ``known``. Returns the sha256."""
     write = out.write if hasattr(out, "write") else out.sendall
     write(header(entry["name"], entry["offset"], entry["size"], entry["mtime_ns"], entry["to"]))
     left = entry["size"] - entry["offset"]
+    hashing = None
     with open(path, "rb", buffering=0) as f:
         f.seek(entry["offset"])
         while left:
@@ -75,11 +77,16 @@ def send_file(out, path: str, entry: dict, digest, known: str | None, advance, s
                 raise OSError(f"{path}: changed while being sent (shorter than it was)")
             if stop.is_set():
                 raise KeyboardInterrupt
-            if known is None:
-                digest.update(chunk)
+            if known is None:  # hashlib lets go of the GIL: this overlaps with the write
+                if hashing is not None:
+                    hashing.join()
+                hashing = threading.Thread(target=digest.update, args=(chunk,))
+                hashing.start()
             write(chunk)
             left -= len(chunk)
             advance(len(chunk))
+    if hashing is not None:
+        hashing.join()
     sha = known or digest.hexdigest()
     write((json.dumps({"sha256": sha}) + "\n").encode())
     return sha
