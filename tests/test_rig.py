@@ -16,6 +16,8 @@ import yaml
 from conftest import reference, run_cli, start_streaming
 from netrig import Shape, available, down, up
 
+from cluster.transfer import MANIFEST
+
 MISSING = available()
 if MISSING and os.environ.get("MLX_CLUSTER_REQUIRE_RIG"):  # CI: never a silent skip
     raise RuntimeError(f"MLX_CLUSTER_REQUIRE_RIG is set and {MISSING}")
@@ -217,8 +219,8 @@ def test_bench_across_hosts(rig, models, tmp_path):
 
 
 def test_sync_into_each_hosts_own_model_dir_then_launch_from_the_copies(rig, models, tmp_path):
-    """3 hosts, each with its own model_dir: each gets its pipeline stage's files over its own
-    address, a second sync sends nothing, and the ranks load the copies."""
+    """3 hosts, each with its own model_dir: each gets its pipeline stage's files, passed on
+    from host to host, a second sync sends nothing, and the ranks load the copies."""
     data = rig.hostfile(hosts=[1, 2, 3], over_cables=False)
     for i, entry in enumerate(data["hosts"]):
         entry["model_dir"] = str(tmp_path / f"host{i + 1}")
@@ -232,7 +234,11 @@ def test_sync_into_each_hosts_own_model_dir_then_launch_from_the_copies(rig, mod
     for i, host in enumerate(report["hosts"]):
         assert host["error"] is None and host["bytes_sent"] > 0, host
         copied = {f.name for f in (tmp_path / f"host{i + 1}" / "llama").iterdir()}
-        assert copied == {f["name"] for f in host["files"]}, (copied, host)
+        assert copied - {MANIFEST} == {f["name"] for f in host["files"]}, (copied, host)
+        assert MANIFEST in copied
+    # the files passed from host to host, each reached at its own address
+    chain = [(h["upstream"], h["address"]) for h in report["hosts"]]
+    assert chain == [(None, None), (0, f"{LAN}.2"), (1, f"{LAN}.3")], chain
     p = run_cli("sync", "--hostfile", hostfile, "--model", model, "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["bytes_sent"] == 0, p.stderr
     launch_as_reference(str(hostfile), model)
