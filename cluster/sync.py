@@ -34,7 +34,6 @@ from .hostfile import Host, Hostfile, model_name, split_weights
 from .modelcheck import ModelError, looks_like_repo, read_config
 from .shards import rank_weight_files
 
-PART = transfer.PART
 TRANSPORTS = ("ssh", "tcp")
 FAN_OUTS = ("chain", "direct")
 CONTROL_TIMEOUT = 30.0  # seconds for a receiver to listen or connect (hashing has no limit)
@@ -277,15 +276,19 @@ class Receiver:
             message = self.replies.get(timeout=timeout)
         except queue.Empty:
             raise OSError(f"no answer to `{op}` within {timeout:.0f} s") from None
+        self.raise_if_failed(message)
+        if message["op"] != op:
+            raise OSError(f"unexpected reply {message}")
+        return message
+
+    def raise_if_failed(self, message: dict | None) -> None:
+        """An error reply, or the end of the receiver (None): OSError with its reason."""
         if message is None:
             self.proc.wait()
             why = "; ".join(line for line in self.stderr if line) or f"exit {self.proc.returncode}"
             raise OSError(f"the receiver stopped: {why}")
         if message["op"] == "error":
             raise OSError(message["error"])
-        if message["op"] != op:
-            raise OSError(f"unexpected reply {message}")
-        return message
 
     def stop(self, now: bool = True) -> None:
         """At once (Ctrl-C, a failure), or once it has read to the end of its stdin."""
@@ -543,12 +546,12 @@ class Copy:
         try:
             for name in names:
                 to = [i for i in plan.to[name] if i in chain]
-                offset = plan.offset(name, chain)
+                offset, st = plan.offset(name, chain), (self.source / name).stat()
                 entry = {
                     "name": name,
                     "offset": offset,
-                    "size": (self.source / name).stat().st_size,
-                    "mtime_ns": (self.source / name).stat().st_mtime_ns,
+                    "size": st.st_size,
+                    "mtime_ns": st.st_mtime_ns,
                     "to": to,
                 }
                 known = self.hashes.known(name)
@@ -621,9 +624,7 @@ class Copy:
         try:
             while True:
                 message = receiver.replies.get()
-                if message is None or message["op"] == "error":
-                    receiver.replies.put(message)
-                    receiver.expect("done")  # raises with the receiver's reason
+                receiver.raise_if_failed(message)
                 if message["op"] == "done":
                     return
                 if message["op"] == "stored":

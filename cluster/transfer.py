@@ -280,9 +280,7 @@ class Receiver:
         if self.forward is not None:
             writer.put(("forward", line))
         writer.put(None)
-        writer.thread.join()
-        if writer.error:
-            sys.exit(1)
+        writer.thread.join()  # a failed write ends the process there, after saying why
         if self.forward is not None:
             self.forward.shutdown(socket.SHUT_WR)
             self.forward.recv(1)  # the next host closes once it has read everything
@@ -297,7 +295,6 @@ class Writer:
     def __init__(self, receiver: Receiver):
         self.r = receiver
         self.queue: queue.Queue = queue.Queue(maxsize=8)
-        self.error: str | None = None
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
 
@@ -312,8 +309,7 @@ class Writer:
         try:
             self._run()
         except OSError as e:
-            self.error = f"{getattr(self, 'name', '')}: {e}"
-            self.r.reply(op="error", error=self.error)
+            self.r.reply(op="error", error=f"{getattr(self, 'name', '')}: {e}")
             os._exit(1)
 
     def _run(self) -> None:
