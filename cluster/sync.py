@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,6 +238,7 @@ class Receiver:
             transfer.widen_pipe(self.proc.stdin.fileno())
         self.replies: queue.Queue = queue.Queue()
         self.advance: Callable[[int], None] = lambda n: None
+        self.midstream = False  # a stream to it began and did not end: no command may follow
         self.stderr: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
@@ -486,8 +487,11 @@ class Copy:
             with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
                 for future in [pool.submit(self.stream, plan, *job) for job in jobs]:
                     future.result()
+        if self.stop.is_set():
+            raise Stopped
         for receiver in first.values():
-            receiver.send(op="bye")
+            if not receiver.midstream:
+                receiver.send(op="bye")
         self.stop_all(now=False)
         return self.results
 
@@ -564,10 +568,17 @@ class Copy:
             transfer.end_stream(out)
             if sock is not None:
                 sock.shutdown(socket.SHUT_WR)
+            for r in receivers:
+                r.midstream = False
         except KeyboardInterrupt:
             return
-        except OSError:
+        except (BrokenPipeError, ConnectionError):
             pass  # a receiver went away: its collector says why
+        except OSError as e:  # this side failed (the source, a stalled link): end the chain
+            for i in chain:
+                self.fail(i, f"the copy broke off: {e}")
+            for r in receivers:
+                r.stop()
         for t in collectors:
             t.join()
 
@@ -598,15 +609,18 @@ class Copy:
                 self.results[chain[k]].transport = "tcp"
         for receiver in receivers[1:]:  # only now: a receiver reads no command once it receives
             receiver.send(op="receive", **{"from": "socket"})
+            receiver.midstream = True
         head, receiver = self.host(chain[0]), receivers[0]
         if head.is_local or self.settings.transport == "ssh":
             receiver.send(op="receive", **{"from": "stdin"})
+            receiver.midstream = True
             return receiver.proc.stdin, None
         token = secrets.token_hex(16)
         address = socket.gethostbyname(head.hostname)
         receiver.send(op="listen", addresses=[address], token=token)
         ports = receiver.expect("listening", timeout=CONTROL_TIMEOUT)["ports"]
         receiver.send(op="receive", **{"from": "socket"})
+        receiver.midstream = True
         for address, port in ports.items():
             try:
                 sock = socket.create_connection((address, port), timeout=transfer.CONNECT_TIMEOUT)
@@ -638,6 +652,15 @@ class Copy:
 
 def plan_needs(plan: Plan, index: int) -> bool:
     return any(index in to for to in plan.to.values())
+
+
+def result_or_interrupt(future: Future):
+    """``future.result()`` that Ctrl-C can cut short. The kernel may hand SIGINT to any of the
+    copy's threads, and then a main thread blocked for good on the future never runs Python's
+    handler (seen here: a copy ran 2 s to its end after Ctrl-C); a bounded wait lets it."""
+    while not future.done():
+        wait([future], timeout=0.2)
+    return future.result()
 
 
 def run_sync(
@@ -703,7 +726,7 @@ def run_sync(
     worker = ThreadPoolExecutor(max_workers=1)
     future = worker.submit(copy.run)
     try:
-        results.update(future.result())
+        results.update(result_or_interrupt(future))
     except (KeyboardInterrupt, Stopped):
         stop.set()
         copy.stop_all()

@@ -1,4 +1,4 @@
-"""`mlx-cluster sync`: each host gets exactly its ranks' files over SFTP (a real sshd on
+"""`mlx-cluster sync`: each host gets exactly its ranks' files over OpenSSH (a real sshd on
 loopback), equal files are skipped, partial ones resumed, and ranks then load the copy."""
 
 import hashlib
