@@ -226,6 +226,46 @@ def test_ctrl_c_keeps_the_partial_copy_and_the_next_sync_resumes_it(sshd, models
 
 
 @pytest.mark.e2e
+def test_a_source_file_cut_short_mid_copy_fails_every_host_and_leaves_no_receiver(
+    sshd, models, tmp_path
+):
+    """The laptop's own side breaks (a file truncated while sent): each host is told why, the
+    command ends, and no receiver is left waiting for the rest of the stream."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import time
+
+    from conftest import CLI
+
+    model = tmp_path / "big"
+    shutil.copytree(models["llama"], model)
+    extra = model / "model-extra.safetensors"
+    extra.write_bytes(os.urandom(300 * 1024 * 1024))
+    hf = rig(sshd, tmp_path)
+    args = [CLI, "sync", "--hostfile", hf, "--model", model, "--mode", "tensor", "--json"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    part = tmp_path / "h1" / "big" / "model-extra.safetensors.part"
+    deadline = time.monotonic() + 120
+    while not (part.exists() and part.stat().st_size > 0):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    os.truncate(extra, 1024 * 1024)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # hung: Ctrl-C lets it stop its receivers
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+    assert proc.returncode == 1, err
+    for host in json.loads(out)["hosts"]:
+        assert "changed while being sent" in host["error"], host
+    assert not receivers(tmp_path)
+    assert not (tmp_path / "h1" / "big" / "model-extra.safetensors").exists()
+
+
+@pytest.mark.e2e
 def test_a_repo_from_the_local_hugging_face_cache(models, tmp_path):
     """--model org/name is looked up in this machine's cache, never fetched."""
     import shutil
