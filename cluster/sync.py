@@ -270,6 +270,11 @@ class Receiver:
         except OSError:
             pass  # the receiver is gone; expect() says why
 
+    def receive(self, source: str) -> None:
+        """Start its stream (from ``stdin`` or ``socket``): from here on, no command."""
+        self.send(op="receive", **{"from": source})
+        self.midstream = True
+
     def expect(self, op: str, timeout: float | None = None) -> dict:
         """The next reply, which must be ``op``; an error reply, an exit or no answer within
         ``timeout`` raises OSError."""
@@ -572,7 +577,7 @@ class Copy:
                 r.midstream = False
         except KeyboardInterrupt:
             return
-        except (BrokenPipeError, ConnectionError):
+        except ConnectionError:
             pass  # a receiver went away: its collector says why
         except OSError as e:  # this side failed (the source, a stalled link): end the chain
             for i in chain:
@@ -608,19 +613,16 @@ class Copy:
             if self.results[chain[k]].transport != "local":
                 self.results[chain[k]].transport = "tcp"
         for receiver in receivers[1:]:  # only now: a receiver reads no command once it receives
-            receiver.send(op="receive", **{"from": "socket"})
-            receiver.midstream = True
+            receiver.receive("socket")
         head, receiver = self.host(chain[0]), receivers[0]
         if head.is_local or self.settings.transport == "ssh":
-            receiver.send(op="receive", **{"from": "stdin"})
-            receiver.midstream = True
+            receiver.receive("stdin")
             return receiver.proc.stdin, None
         token = secrets.token_hex(16)
         address = socket.gethostbyname(head.hostname)
         receiver.send(op="listen", addresses=[address], token=token)
         ports = receiver.expect("listening", timeout=CONTROL_TIMEOUT)["ports"]
-        receiver.send(op="receive", **{"from": "socket"})
-        receiver.midstream = True
+        receiver.receive("socket")
         for address, port in ports.items():
             try:
                 sock = socket.create_connection((address, port), timeout=transfer.CONNECT_TIMEOUT)

@@ -186,11 +186,11 @@ def test_entries_of_one_host_and_directory_are_copied_once(models, tmp_path):
     assert first["bytes_sent"] == sum(f.stat().st_size for f in model.iterdir())
 
 
-@pytest.mark.e2e
-def test_ctrl_c_keeps_the_partial_copy_and_the_next_sync_resumes_it(sshd, models, tmp_path):
+def start_a_big_sync(sshd, models, tmp_path):
+    """A sync of the llama model plus a 300 MiB file, caught once that file's copy on host 1
+    is under way: the sync, the big source file, and host 1's .part of it."""
     import os
     import shutil
-    import signal
     import subprocess
     import time
 
@@ -198,8 +198,8 @@ def test_ctrl_c_keeps_the_partial_copy_and_the_next_sync_resumes_it(sshd, models
 
     model = tmp_path / "big"
     shutil.copytree(models["llama"], model)
-    with open(model / "model-extra.safetensors", "wb") as f:  # big enough to be caught mid-copy
-        f.write(os.urandom(300 * 1024 * 1024))
+    extra = model / "model-extra.safetensors"
+    extra.write_bytes(os.urandom(300 * 1024 * 1024))  # big enough to be caught mid-copy
     hf = rig(sshd, tmp_path)
     args = [CLI, "sync", "--hostfile", hf, "--model", model, "--mode", "tensor", "--json"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -208,20 +208,27 @@ def test_ctrl_c_keeps_the_partial_copy_and_the_next_sync_resumes_it(sshd, models
     while not (part.exists() and part.stat().st_size > 0):  # the copy of that file is under way
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.02)
+    return proc, extra, part
+
+
+@pytest.mark.e2e
+def test_ctrl_c_keeps_the_partial_copy_and_the_next_sync_resumes_it(sshd, models, tmp_path):
+    import signal
+
+    proc, extra, part = start_a_big_sync(sshd, models, tmp_path)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "run it again to resume" in err
     assert not receivers(tmp_path)  # neither here nor behind the SSH session
     kept = part.stat().st_size
-    assert 0 < kept < (model / "model-extra.safetensors").stat().st_size
+    assert 0 < kept < extra.stat().st_size
 
+    hf, model = tmp_path / "rig.yaml", extra.parent
     p, report = sync("--hostfile", hf, "--model", model, "--mode", "tensor")
     assert p.returncode == 0, p.stderr
     f = next(f for f in report["hosts"][1]["files"] if f["name"] == "model-extra.safetensors")
     assert f["action"] == "resumed" and f["sent"] == f["size"] - kept
-    assert sha(tmp_path / "h1" / "big" / "model-extra.safetensors") == sha(
-        model / "model-extra.safetensors"
-    )
+    assert sha(tmp_path / "h1" / "big" / "model-extra.safetensors") == sha(extra)
     assert not part.exists()
 
 
@@ -232,25 +239,9 @@ def test_a_source_file_cut_short_mid_copy_fails_every_host_and_leaves_no_receive
     """The laptop's own side breaks (a file truncated while sent): each host is told why, the
     command ends, and no receiver is left waiting for the rest of the stream."""
     import os
-    import shutil
     import signal
-    import subprocess
-    import time
 
-    from conftest import CLI
-
-    model = tmp_path / "big"
-    shutil.copytree(models["llama"], model)
-    extra = model / "model-extra.safetensors"
-    extra.write_bytes(os.urandom(300 * 1024 * 1024))
-    hf = rig(sshd, tmp_path)
-    args = [CLI, "sync", "--hostfile", hf, "--model", model, "--mode", "tensor", "--json"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    part = tmp_path / "h1" / "big" / "model-extra.safetensors.part"
-    deadline = time.monotonic() + 120
-    while not (part.exists() and part.stat().st_size > 0):
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.02)
+    proc, extra, part = start_a_big_sync(sshd, models, tmp_path)
     os.truncate(extra, 1024 * 1024)
     try:
         out, err = proc.communicate(timeout=60)
@@ -259,7 +250,9 @@ def test_a_source_file_cut_short_mid_copy_fails_every_host_and_leaves_no_receive
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=60)
     assert proc.returncode == 1, err
-    for host in json.loads(out)["hosts"]:
+    hosts = json.loads(out)["hosts"]
+    assert len(hosts) == 2
+    for host in hosts:
         assert "changed while being sent" in host["error"], host
     assert not receivers(tmp_path)
     assert not (tmp_path / "h1" / "big" / "model-extra.safetensors").exists()
