@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import queue
 import secrets
 import time
@@ -28,6 +29,13 @@ from .protocol import Piece, ToolCall
 from .spec import Sampling, ServeRequest
 
 DEFAULT_MAX_TOKENS = 512
+MAX_TOKENS_CAP = 32768  # serve's --max-tokens-cap default
+MAX_STOPS = 16  # stop strings per request
+MAX_STOP_CHARS = 1000  # characters per stop string
+MAX_MESSAGES = 10_000  # messages (or input items) per request
+MAX_PARTS = 1_000  # content parts (blocks) per message, tools per request
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_DEPTH = 64  # nesting of objects and lists in a body (tool schemas are the deepest)
 END = object()  # the answer is complete (its stats are in ApiRequest.result)
 RESTART = object()  # the ranks restarted: a non-streaming answer starts again
 
@@ -53,7 +61,7 @@ SSE = tuple[str | None, dict]  # (event name or None, payload): one server-sent 
 class Endpoint(Protocol):
     """One route's dialect."""
 
-    def parse(self, body: Any, model_ids: set[str]) -> ServeRequest:
+    def parse(self, body: Any, door: Door) -> ServeRequest:
         """The request rank 0 decodes, or RequestError (the field named)."""
 
     def reply(self, job: ApiRequest, answer: Answer) -> dict:
@@ -113,6 +121,7 @@ class ApiRequest:
     arrived: float = field(default_factory=time.monotonic)
     result: dict | None = None  # the answer's stats, set before END
     status: int | None = None  # how it ended, for /metrics (None while under way)
+    failures_seen: int = 0  # failures of the ranks while rank 0 held it
 
     def to_rank0(self) -> ServeRequest:
         return dataclasses.replace(self.request, id=self.id)
@@ -126,7 +135,93 @@ def call_id(call: ToolCall, prefix: str, job: ApiRequest) -> str:
 # Checks and conversions every dialect uses
 
 
-def check_model(body: dict, model_ids: set[str]) -> None:
+@dataclass(frozen=True)
+class Door:
+    """What a dialect checks a body against: the model ids served here and the server's caps
+    (serve's options)."""
+
+    model_ids: frozenset[str]
+    max_tokens_cap: int = MAX_TOKENS_CAP
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a sampling setting takes; ``meaning`` says what special values do."""
+
+    low: float
+    high: float
+    integer: bool = False
+    low_open: bool = False  # low itself is not allowed
+    meaning: str = ""
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        low = f"{self.low:g} (exclusive)" if self.low_open else f"{self.low:g}"
+        high = f"{self.high:d}" if isinstance(self.high, int) else f"{self.high:g}"
+        extra = f" ({self.meaning})" if self.meaning else ""
+        return f"{kind} from {low} to {high}{extra}"
+
+    def admits(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return (self.low < value if self.low_open else self.low <= value) and value <= self.high
+
+
+RANGES: dict[str, Range] = {  # our Sampling field -> the values a request may give it
+    "temp": Range(0, 100, meaning="0 is greedy"),
+    "top_p": Range(0, 1, meaning="0 or 1: off"),
+    "top_k": Range(
+        -1, 2**31 - 1, integer=True, meaning="-1 or 0: off; the vocabulary size or more: off"
+    ),  # fmt: skip
+    "min_p": Range(0, 1, meaning="0: off"),
+    "presence_penalty": Range(-2, 2),
+    "frequency_penalty": Range(-2, 2),
+    "repetition_penalty": Range(0, 10, low_open=True, meaning="1: off"),
+    "seed": Range(-1, 2**63 - 1, integer=True, meaning="-1: a random seed"),
+}
+LOGIT_BIAS = Range(-100, 100)
+
+
+def loads(data: bytes) -> Any:
+    """A request body as JSON: NaN and Infinity (which Python's json takes) are refused, and
+    so are bodies nested deeper than MAX_DEPTH."""
+
+    def constant(name: str):
+        raise RequestError(400, f"the body is not valid JSON: {name} is not a JSON number")
+
+    try:
+        value = json.loads(data or b"null", parse_constant=constant)
+    except RequestError:
+        raise
+    except RecursionError:
+        raise RequestError(400, f"the body is nested deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, bad UTF-8, huge integers
+        raise RequestError(400, f"the body is not valid JSON: {e}") from None
+    check_depth(value)
+    return value
+
+
+def check_depth(value: Any) -> None:
+    todo = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise RequestError(400, f"the body is nested deeper than {MAX_DEPTH} levels")
+        if isinstance(item, dict):
+            todo += [(v, depth + 1) for v in item.values()]
+        elif isinstance(item, list):
+            todo += [(v, depth + 1) for v in item]
+
+
+def check_count(items: list, most: int, name: str) -> list:
+    if len(items) > most:
+        raise RequestError(400, f"'{name}' has {len(items)} items; at most {most} are allowed")
+    return items
+
+
+def check_model(body: dict, model_ids: frozenset[str]) -> None:
     model = body.get("model")
     if model is not None and model not in model_ids:
         served = ", ".join(sorted(model_ids))
@@ -153,14 +248,21 @@ def number(body: dict, name: str, types: tuple = (int, float)) -> Any:
     return value
 
 
-def positive(body: dict, *names: str) -> int | None:
-    """The first of ``names`` present, a positive integer (None if none is)."""
+def max_tokens(body: dict, door: Door, *names: str) -> int | None:
+    """The first of ``names`` present: an integer from 1 to the server's cap (None if none
+    is). Rank 0 lowers it further to what the model's context leaves after the prompt."""
     for name in names:
         value = body.get(name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise RequestError(400, f"'{name}' must be a positive integer")
+        if value > door.max_tokens_cap:
+            raise RequestError(
+                400,
+                f"'{name}' is {value}; this server allows at most {door.max_tokens_cap} "
+                "(serve --max-tokens-cap)",
+            )
         return value
     return None
 
@@ -169,21 +271,58 @@ def stop_strings(value: Any, name: str) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(x, str) for x in value):
-        return list(value)
-    raise RequestError(400, f"'{name}' must be a string or a list of strings")
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise RequestError(400, f"'{name}' must be a string or a list of strings")
+    check_count(value, MAX_STOPS, name)
+    if any(len(x) > MAX_STOP_CHARS for x in value):
+        raise RequestError(400, f"'{name}': a stop string is at most {MAX_STOP_CHARS} characters")
+    return list(value)
 
 
-def sampling(body: dict, fields: dict[str, tuple[str, tuple]], max_tokens: int | None,
-             stop: list[str]) -> Sampling:  # fmt: skip
-    """The Sampling of a body: ``fields`` maps the dialect's names to ours and their types."""
-    chosen = {
-        ours: value
-        for name, (ours, types) in fields.items()
-        if (value := number(body, name, types)) is not None
-    }
-    return Sampling(max_tokens=max_tokens or DEFAULT_MAX_TOKENS, stop=stop, **chosen)
+def logit_bias(value: Any) -> dict[str, float] | None:
+    """OpenAI's logit_bias: token ids (as JSON keys) to a bias from -100 to 100. Rank 0
+    checks the ids against the vocabulary."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError(400, "'logit_bias' must be an object of token ids to biases")
+    check_count(list(value), MAX_LOGIT_BIAS, "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        if not key.isdigit() or len(key) > 10:
+            raise RequestError(400, f"'logit_bias': {key[:20]!r} is not a token id")
+        if not LOGIT_BIAS.admits(bias):
+            raise RequestError(400, f"'logit_bias' of {key}: must be {LOGIT_BIAS.describe()}")
+        out[str(int(key))] = float(bias)
+    return out or None
+
+
+def sampling(body: dict, fields: dict[str, str], door: Door, max_tokens: int | None,
+             stop: list[str], bias: dict[str, float] | None = None) -> Sampling:  # fmt: skip
+    """The Sampling of a body, every value checked against RANGES (the one table of what a
+    request may ask): ``fields`` maps the dialect's names to ours. -1 means "off" for top_k
+    and "a random seed" for seed, as llama.cpp and vLLM take them."""
+    chosen = {}
+    for name, ours in fields.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        allowed = RANGES[ours]
+        if not allowed.admits(value):
+            shown = json.dumps(value)[:40] if not isinstance(value, str) else repr(value[:40])
+            raise RequestError(400, f"'{name}' must be {allowed.describe()}; got {shown}")
+        chosen[ours] = value
+    if chosen.get("seed") == -1:
+        del chosen["seed"]
+    if chosen.get("top_k") == -1:
+        chosen["top_k"] = 0
+    return Sampling(
+        max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, door.max_tokens_cap),
+        stop=stop,
+        logit_bias=bias,
+        **chosen,
+    )
 
 
 def function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict:

@@ -13,15 +13,19 @@ import json
 from typing import Any
 
 from .api import (
+    MAX_MESSAGES,
+    MAX_PARTS,
     Answer,
     ApiRequest,
+    Door,
     RequestError,
     assistant_calls,
     call_id,
+    check_count,
     check_model,
     check_object,
     function_tool,
-    positive,
+    max_tokens,
     sampling,
     stop_strings,
 )
@@ -29,11 +33,7 @@ from .api_openai import tool_choice
 from .protocol import Piece, ToolCall
 from .spec import Sampling, ServeRequest, Template
 
-SAMPLING_FIELDS = {
-    "temperature": ("temp", (int, float)),
-    "top_p": ("top_p", (int, float)),
-    "top_k": ("top_k", (int,)),
-}
+SAMPLING_FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k"}
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -54,6 +54,7 @@ def text_blocks(content: Any, where: str) -> str:
         return ""
     if not isinstance(content, list):
         raise RequestError(400, f"{where}: content must be a string or a list of blocks")
+    check_count(content, MAX_PARTS, f"{where}.content")
     texts = []
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
@@ -72,6 +73,7 @@ def chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages: must be a non-empty list")
+    check_count(messages, MAX_MESSAGES, "messages")
     for i, m in enumerate(messages):
         where = f"messages.{i}"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
@@ -82,6 +84,7 @@ def chat_messages(body: dict) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise RequestError(400, f"{where}: content must be a string or a list of blocks")
+        check_count(content, MAX_PARTS, f"{where}.content")
         texts, calls, thinking, results = [], [], "", 0
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
@@ -122,6 +125,7 @@ def anthropic_tools(tools: Any, choice: Any) -> list | None:
         return None
     if not isinstance(tools, list):
         raise RequestError(400, "tools: must be a list")
+    check_count(tools, MAX_PARTS, "tools")
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
@@ -174,11 +178,11 @@ def tool_input(call: ToolCall) -> dict:
 
 
 class Messages:
-    def parse(self, body: Any, model_ids: set[str]) -> ServeRequest:
+    def parse(self, body: Any, door: Door) -> ServeRequest:
         body = check_object(body)
-        check_model(body, model_ids)
-        max_tokens = positive(body, "max_tokens")
-        if max_tokens is None:
+        check_model(body, door.model_ids)
+        most = max_tokens(body, door, "max_tokens")
+        if most is None:
             raise RequestError(400, "max_tokens: Field required")
         return ServeRequest(
             id="",
@@ -186,7 +190,8 @@ class Messages:
             sampling=sampling(
                 body,
                 SAMPLING_FIELDS,
-                max_tokens,
+                door,
+                most,
                 stop_strings(body.get("stop_sequences"), "stop_sequences"),
             ),
             template=Template(
@@ -353,9 +358,9 @@ class MessageStream:
 class CountTokens:
     """/v1/messages/count_tokens: the prompt as the template renders it, counted on rank 0."""
 
-    def parse(self, body: Any, model_ids: set[str]) -> ServeRequest:
+    def parse(self, body: Any, door: Door) -> ServeRequest:
         body = check_object(body)
-        check_model(body, model_ids)
+        check_model(body, door.model_ids)
         return ServeRequest(
             id="",
             kind="count",

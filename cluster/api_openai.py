@@ -12,32 +12,37 @@ from __future__ import annotations
 from typing import Any
 
 from .api import (
+    MAX_MESSAGES,
+    MAX_PARTS,
     Answer,
     ApiRequest,
+    Door,
     RequestError,
     assistant_calls,
     call_id,
+    check_count,
     check_model,
     check_object,
     error_body,
     function_tool,
+    logit_bias,
+    max_tokens,
     number,
-    positive,
     sampling,
     stop_strings,
 )
 from .protocol import Piece, ToolCall
 from .spec import ServeRequest, Template
 
-SAMPLING_FIELDS = {  # OpenAI field -> (our setting, accepted types)
-    "temperature": ("temp", (int, float)),
-    "top_p": ("top_p", (int, float)),
-    "top_k": ("top_k", (int,)),
-    "min_p": ("min_p", (int, float)),
-    "seed": ("seed", (int,)),
-    "presence_penalty": ("presence_penalty", (int, float)),
-    "frequency_penalty": ("frequency_penalty", (int, float)),
-    "repetition_penalty": ("repetition_penalty", (int, float)),
+SAMPLING_FIELDS = {  # OpenAI field -> our setting (its range: cluster.api.RANGES)
+    "temperature": "temp",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
 }
 MAX_TOP_LOGPROBS = 20
 CONSTRAINED = (
@@ -66,6 +71,7 @@ def chat_tools(tools: Any, choice: Any) -> list | None:
         return None
     if not isinstance(tools, list):
         raise RequestError(400, "'tools' must be a list")
+    check_count(tools, MAX_PARTS, "tools")
     out = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -104,6 +110,7 @@ def text_of(content: Any, where: str) -> str:
         return content or ""
     if not isinstance(content, list):
         raise RequestError(400, f"{where}: 'content' must be a string or a list of parts")
+    check_count(content, MAX_PARTS, f"{where}.content")
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -126,6 +133,7 @@ def chat_message(m: Any, i: int) -> dict:
         calls = m.get("tool_calls") or []
         if not isinstance(calls, list):
             raise RequestError(400, f"{where}: 'tool_calls' must be a list")
+        check_count(calls, MAX_PARTS, f"{where}.tool_calls")
         triples = []
         for call in calls:
             function = call.get("function") if isinstance(call, dict) else None
@@ -169,27 +177,31 @@ def template_switches(body: dict) -> dict:
 
 
 class ChatCompletions:
-    def parse(self, body: Any, model_ids: set[str]) -> ServeRequest:
+    def parse(self, body: Any, door: Door) -> ServeRequest:
         body = check_object(body)
-        check_model(body, model_ids)
+        check_model(body, door.model_ids)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "'messages' must be a non-empty list")
+        check_count(messages, MAX_MESSAGES, "messages")
         check_n(body)
         check_response_format(body.get("response_format"), "response_format")
         tools = chat_tools(body.get("tools"), body.get("tool_choice"))
+        chosen = sampling(
+            body,
+            SAMPLING_FIELDS,
+            door,
+            max_tokens(body, door, "max_completion_tokens", "max_tokens"),
+            stop_strings(body.get("stop"), "stop"),
+            logit_bias(body.get("logit_bias")),
+        )
         return ServeRequest(
             id="",
             kind="chat",
-            sampling=sampling(
-                body,
-                SAMPLING_FIELDS,
-                positive(body, "max_completion_tokens", "max_tokens"),
-                stop_strings(body.get("stop"), "stop"),
-            ),
+            sampling=chosen,
             template=Template(tools=tools, **template_switches(body)),
             messages=[chat_message(m, i) for i, m in enumerate(messages)],
-            seeded=body.get("seed") is not None,
+            seeded=chosen.seed is not None,
             logprobs=chat_logprobs(body),
         )
 
@@ -296,9 +308,9 @@ def legacy_logprobs(entries: list[dict], offset: int = 0) -> dict:
 
 
 class Completions:
-    def parse(self, body: Any, model_ids: set[str]) -> ServeRequest:
+    def parse(self, body: Any, door: Door) -> ServeRequest:
         body = check_object(body)
-        check_model(body, model_ids)
+        check_model(body, door.model_ids)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -312,17 +324,20 @@ class Completions:
         top = number(body, "logprobs", (int,))
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise RequestError(400, f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
+        chosen = sampling(
+            body,
+            SAMPLING_FIELDS,
+            door,
+            max_tokens(body, door, "max_tokens"),
+            stop_strings(body.get("stop"), "stop"),
+            logit_bias(body.get("logit_bias")),
+        )
         return ServeRequest(
             id="",
             kind="completion",
-            sampling=sampling(
-                body,
-                SAMPLING_FIELDS,
-                positive(body, "max_tokens"),
-                stop_strings(body.get("stop"), "stop"),
-            ),
+            sampling=chosen,
             prompt=prompt,
-            seeded=body.get("seed") is not None,
+            seeded=chosen.seed is not None,
             logprobs=top,
         )
 

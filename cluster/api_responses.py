@@ -13,29 +13,28 @@ from __future__ import annotations
 from typing import Any
 
 from .api import (
+    MAX_MESSAGES,
+    MAX_PARTS,
     Answer,
     ApiRequest,
+    Door,
     RequestError,
     assistant_calls,
     call_id,
+    check_count,
     check_model,
     check_object,
     error_body,
     function_tool,
+    max_tokens,
     number,
-    positive,
     sampling,
 )
 from .api_openai import MAX_TOP_LOGPROBS, check_response_format, text_of, tool_choice
 from .protocol import Piece, ToolCall
 from .spec import ServeRequest, Template
 
-SAMPLING_FIELDS = {
-    "temperature": ("temp", (int, float)),
-    "top_p": ("top_p", (int, float)),
-    "top_k": ("top_k", (int,)),
-    "seed": ("seed", (int,)),
-}
+SAMPLING_FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
@@ -53,6 +52,7 @@ def input_messages(body: dict) -> list[dict]:
         items = [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise RequestError(400, "'input' must be a non-empty string or list of items")
+    check_count(items, MAX_MESSAGES, "input")
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -94,6 +94,7 @@ def response_tools(tools: Any, choice: Any) -> list | None:
         return None
     if not isinstance(tools, list):
         raise RequestError(400, "'tools' must be a list")
+    check_count(tools, MAX_PARTS, "tools")
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
@@ -110,9 +111,9 @@ def response_tools(tools: Any, choice: Any) -> list | None:
 
 
 class Responses:
-    def parse(self, body: Any, model_ids: set[str]) -> ServeRequest:
+    def parse(self, body: Any, door: Door) -> ServeRequest:
         body = check_object(body)
-        check_model(body, model_ids)
+        check_model(body, door.model_ids)
         if body.get("previous_response_id") is not None:
             raise RequestError(
                 400,
@@ -128,16 +129,19 @@ class Responses:
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise RequestError(400, f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
         wanted = LOGPROBS_INCLUDE in include if isinstance(include, list) else False
+        chosen = sampling(
+            body, SAMPLING_FIELDS, door, max_tokens(body, door, "max_output_tokens"), []
+        )
         return ServeRequest(
             id="",
             kind="chat",
-            sampling=sampling(body, SAMPLING_FIELDS, positive(body, "max_output_tokens"), []),
+            sampling=chosen,
             template=Template(
                 tools=response_tools(body.get("tools"), body.get("tool_choice")),
                 reasoning_effort=effort if isinstance(effort, str) else None,
             ),
             messages=input_messages(body),
-            seeded=body.get("seed") is not None,
+            seeded=chosen.seed is not None,
             logprobs=(top or 0) if wanted or top else None,
         )
 

@@ -2,34 +2,63 @@
 (cluster/serving.py runs them and routes each request to rank 0 and back). Its routes are the
 endpoints of cluster/api_openai.py, api_responses.py and api_anthropic.py; GET /v1/models,
 /health and /metrics are its own.
+
+What a client sends is bounded here before anything else sees it: the key is checked before
+the body is read; a request's line, headers and body must arrive within ``read_timeout``; a
+body is at most ``max_body_bytes``; at most ``max_connections`` are open at once (503 past
+it). A client that leaves while its request waits, is prefilled or is decoded is noticed
+within POLL_S and its request cancelled on every rank.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
-import secrets
+import queue
+import select
+import socket
 import threading
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .api import END, RESTART, SSE, Answer, ApiRequest, Endpoint, RequestError, error_body
+from .api import (
+    END,
+    RESTART,
+    SSE,
+    Answer,
+    ApiRequest,
+    Endpoint,
+    RequestError,
+    error_body,
+    loads,
+)
 from .api_anthropic import CountTokens, Messages
 from .api_openai import ChatCompletions, Completions
 from .api_responses import Responses
 from .protocol import Piece, ToolCall
 
-MAX_BODY_BYTES = 4 * 1024 * 1024
-DRAINED_BODY_BYTES = 64 * 1024 * 1024  # an over-size body up to this is read, then refused;
-# a larger one is refused without reading it
+POLL_S = 0.5  # how often a waiting request looks whether its client is still there
+GONE = (BrokenPipeError, ConnectionResetError, TimeoutError, OSError)  # a client that left
 
 
 class Api:
     """The HTTP server. ``service`` (cluster.serving.Service) takes requests (``submit``),
     drops those whose client left (``cancel``), and answers /health and /metrics."""
 
-    def __init__(self, host: str, port: int, api_key: str | None, service):
-        self.api_key = api_key
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        api_key: str | None,
+        service,
+        max_body_bytes: int = 16 << 20,
+        read_timeout: float = 30.0,
+        max_connections: int = 256,
+    ):
+        self.key = api_key.encode() if api_key is not None else None
         self.service = service
+        self.max_body_bytes = max_body_bytes
+        self.read_timeout = read_timeout
         self.routes: dict[str, Endpoint] = {
             "/v1/chat/completions": ChatCompletions(),
             "/v1/completions": Completions(),
@@ -37,150 +66,7 @@ class Api:
             "/v1/messages": Messages(),
             "/v1/messages/count_tokens": CountTokens(),
         }
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format, *args):  # noqa: A002 - stderr is for our own lines
-                pass
-
-            def do_GET(self):
-                if not api.authorized(self, None):
-                    return
-                path = self.path.split("?")[0].rstrip("/")
-                if path == "/v1/models":
-                    data = [
-                        {
-                            "id": service.model_id,
-                            "object": "model",
-                            "owned_by": "mlx-cluster",
-                            "created": 0,
-                            "type": "model",  # Anthropic's /v1/models fields
-                            "display_name": service.model_id,
-                            "created_at": "1970-01-01T00:00:00Z",
-                        }
-                    ]
-                    self.reply(200, {"object": "list", "data": data, "has_more": False})
-                elif path == "/health":
-                    health = service.health()
-                    ok = health["status"] in ("ok", "degraded")
-                    self.reply(200 if ok else 503, health)
-                elif path == "/metrics":
-                    self.send_bytes(200, service.metrics.exposition(), service.metrics.content_type)
-                else:
-                    self.error(RequestError(404, f"no route {self.path}", "not_found_error"))
-
-            def do_POST(self):
-                endpoint = api.routes.get(self.path.split("?")[0].rstrip("/"))
-                if not api.authorized(self, endpoint):
-                    return
-                try:
-                    if endpoint is None:
-                        raise RequestError(404, f"no route {self.path}", "not_found_error")
-                    body = self.read_json()
-                    request = endpoint.parse(body, service.model_ids())
-                except RequestError as e:
-                    service.metrics.finished(e.status)
-                    return self.error(e, endpoint)
-                stream = bool(body.get("stream")) and request.kind != "count"
-                job = ApiRequest(endpoint, request, stream, service.model_id, body)
-                service.submit(job)
-                if job.stream:
-                    self.stream(job)
-                else:
-                    self.collect(job)
-
-            def read_json(self):
-                try:
-                    size = int(self.headers.get("Content-Length", "0"))
-                except ValueError:
-                    raise RequestError(400, "bad Content-Length") from None
-                if size > MAX_BODY_BYTES:
-                    self.close_connection = True
-                    if size <= DRAINED_BODY_BYTES:  # read it, so the client is not cut off mid-send
-                        while size > 0:
-                            size -= len(self.rfile.read(min(size, 1 << 20)) or b"x" * size)
-                    raise RequestError(413, f"the body is over {MAX_BODY_BYTES} bytes")
-                try:
-                    return json.loads(self.rfile.read(size) or b"null")
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise RequestError(400, f"the body is not valid JSON: {e}") from None
-
-            def send_bytes(self, status: int, data: bytes, content_type: str, headers=()):
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(data)))
-                for name, value in headers:
-                    self.send_header(name, value)
-                self.end_headers()
-                self.wfile.write(data)
-
-            def reply(self, status: int, payload: dict, headers=()) -> None:
-                self.send_bytes(status, json.dumps(payload).encode(), "application/json", headers)
-
-            def error(self, e: RequestError, endpoint: Endpoint | None = None) -> None:
-                headers = [("Retry-After", str(e.retry_after))] if e.retry_after else []
-                shape = endpoint.error_body if endpoint is not None else error_body
-                self.reply(e.status, shape(e), headers)
-
-            def collect(self, job: ApiRequest) -> None:
-                answer = Answer()
-                try:
-                    while (item := job.chunks.get()) is not END:
-                        if isinstance(item, RequestError):
-                            return self.error(item, job.endpoint)
-                        if item is RESTART:
-                            answer = Answer()
-                        else:
-                            answer.add(item)
-                    answer.result = job.result or {}
-                    self.reply(200, job.endpoint.reply(job, answer))
-                except (BrokenPipeError, ConnectionResetError):  # the client went away
-                    service.cancel(job)
-
-            def stream(self, job: ApiRequest) -> None:
-                item = job.chunks.get()
-                while item is RESTART:  # nothing was sent yet: wait for the new answer
-                    item = job.chunks.get()
-                if isinstance(item, RequestError):
-                    return self.error(item, job.endpoint)
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                self.close_connection = True
-                events = job.endpoint.events(job)
-                answer = Answer()
-                try:
-                    self.send_events(events.start())
-                    while item is not END:
-                        if isinstance(item, RequestError):  # the ranks failed mid-answer
-                            self.send_events(events.fail(item))
-                            break
-                        answer.add(item)
-                        if isinstance(item, Piece):
-                            self.send_events(events.piece(item))
-                        elif isinstance(item, ToolCall):
-                            self.send_events(events.tool_call(item))
-                        item = job.chunks.get()
-                    else:
-                        answer.result = job.result or {}
-                        self.send_events(events.end(answer))
-                    self.wfile.write(events.done)
-                    self.wfile.flush()
-                except (BrokenPipeError, ConnectionResetError):  # the client went away
-                    service.cancel(job)
-
-            def send_events(self, events: Iterable[SSE]) -> None:
-                for name, payload in events:
-                    head = f"event: {name}\n".encode() if name else b""
-                    self.wfile.write(head + b"data: " + json.dumps(payload).encode() + b"\n\n")
-                self.wfile.flush()
-
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = Server((host, port), Handler, self, max_connections)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True, name="http")
 
     @property
@@ -194,19 +80,272 @@ class Api:
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    def authorized(self, handler, endpoint: Endpoint | None) -> bool:
+    def authorized(self, headers) -> bool:
         """``--api-key`` as OpenAI's clients send it (Authorization: Bearer) or Anthropic's
-        (x-api-key)."""
-        if self.api_key is None:
+        (x-api-key), compared as bytes (a header may hold any byte)."""
+        if self.key is None:
             return True
-        bearer = handler.headers.get("Authorization", "")
-        key = handler.headers.get("x-api-key", "")
-        if secrets.compare_digest(bearer, f"Bearer {self.api_key}") or secrets.compare_digest(
-            key, self.api_key
-        ):
+        bearer = raw(headers.get("Authorization", ""))
+        key = raw(headers.get("x-api-key", ""))
+        return hmac.compare_digest(bearer, b"Bearer " + self.key) | hmac.compare_digest(
+            key, self.key
+        )
+
+
+def raw(value: str) -> bytes:
+    """A header value as the bytes that came (http.server decodes them as Latin-1)."""
+    return value.encode("latin-1", "surrogateescape")
+
+
+BUSY = json.dumps(
+    error_body(RequestError(503, "too many open connections; retry shortly", "server_error"))
+).encode()
+
+
+class Server(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once: past it a connection
+    gets 503 and is closed, without a thread."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, api: Api, max_connections: int):
+        self.api = api
+        self.slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            head = (
+                "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(BUSY)}\r\n\r\n"
+            )
+            try:
+                request.settimeout(1.0)
+                request.sendall(head.encode() + BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One connection. Reading a request (line, headers, body) has ``read_timeout`` in all;
+    past it the connection is cut, so a slow client cannot hold a thread."""
+
+    protocol_version = "HTTP/1.1"
+    server: Server
+
+    def setup(self):
+        self.api = self.server.api
+        self.service = self.api.service
+        self.timeout = self.api.read_timeout  # each socket operation
+        super().setup()
+
+    def log_message(self, format, *args):  # noqa: A002 - stderr is for our own lines
+        pass
+
+    def handle_one_request(self):
+        self.reading = threading.Timer(self.api.read_timeout, self.cut)
+        self.reading.daemon = True
+        self.reading.start()
+        try:
+            super().handle_one_request()
+        except GONE:
+            self.close_connection = True
+        finally:
+            self.reading.cancel()
+
+    def cut(self) -> None:
+        """The request did not arrive in time: end the connection (its thread then ends)."""
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def do_GET(self):
+        self.reading.cancel()
+        if not self.authorized(None):
+            return
+        service = self.service
+        path = self.path.split("?")[0].rstrip("/")
+        if path == "/v1/models":
+            data = [
+                {
+                    "id": service.model_id,
+                    "object": "model",
+                    "owned_by": "mlx-cluster",
+                    "created": 0,
+                    "type": "model",  # Anthropic's /v1/models fields
+                    "display_name": service.model_id,
+                    "created_at": "1970-01-01T00:00:00Z",
+                }
+            ]
+            self.reply(200, {"object": "list", "data": data, "has_more": False})
+        elif path == "/health":
+            health = service.health()
+            ok = health["status"] in ("ok", "degraded")
+            self.reply(200 if ok else 503, health)
+        elif path == "/metrics":
+            self.send_bytes(200, service.metrics.exposition(), service.metrics.content_type)
+        else:
+            self.error(RequestError(404, f"no route {self.path[:200]}", "not_found_error"))
+
+    def do_POST(self):
+        endpoint = self.api.routes.get(self.path.split("?")[0].rstrip("/"))
+        if not self.authorized(endpoint):
+            return
+        service = self.service
+        try:
+            if endpoint is None:
+                raise RequestError(404, f"no route {self.path[:200]}", "not_found_error")
+            body = loads(self.read_body())
+            self.reading.cancel()
+            request = endpoint.parse(body, service.door)
+        except RequestError as e:
+            service.metrics.finished(e.status)
+            return self.error(e, endpoint)
+        stream = bool(body.get("stream")) and request.kind != "count"
+        job = ApiRequest(endpoint, request, stream, service.model_id, body)
+        service.submit(job)
+        try:
+            if job.stream:
+                self.stream(job)
+            else:
+                self.collect(job)
+        except GONE:  # the client went away
+            self.close_connection = True
+            service.cancel(job)
+
+    def authorized(self, endpoint: Endpoint | None) -> bool:
+        if self.api.authorized(self.headers):
             return True
         self.service.metrics.finished(401)
-        handler.error(
-            RequestError(401, "missing or wrong API key", "authentication_error"), endpoint
-        )
+        self.close_connection = True  # its body (if any) is not read
+        self.error(RequestError(401, "missing or wrong API key", "authentication_error"), endpoint)
         return False
+
+    def read_body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            raise RequestError(411, "send the body with a Content-Length, not chunked")
+        text = self.headers.get("Content-Length", "0").strip()
+        if not text.isdigit() or len(text) > 18:
+            self.close_connection = True
+            raise RequestError(400, f"bad Content-Length {text[:40]!r}")
+        size, most = int(text), self.api.max_body_bytes
+        if size > most:
+            self.close_connection = True
+            if size <= 4 * most:  # read it, so the client is not cut off mid-send
+                while size > 0 and (chunk := self.rfile.read(min(size, 1 << 20))):
+                    size -= len(chunk)
+            raise RequestError(
+                413, f"the body is {text} bytes, over this server's {most} (serve --max-body-mb)"
+            )
+        data = self.rfile.read(size)
+        if len(data) < size:
+            self.close_connection = True
+            raise RequestError(400, f"the body ended after {len(data)} of {size} bytes")
+        return data
+
+    def send_bytes(self, status: int, data: bytes, content_type: str, headers=()):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in headers:
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def reply(self, status: int, payload: dict, headers=()) -> None:
+        self.send_bytes(status, json.dumps(payload).encode(), "application/json", headers)
+
+    def error(self, e: RequestError, endpoint: Endpoint | None = None) -> None:
+        headers = [("Retry-After", str(e.retry_after))] if e.retry_after else []
+        shape = endpoint.error_body if endpoint is not None else error_body
+        try:
+            self.reply(e.status, shape(e), headers)
+        except GONE:
+            self.close_connection = True
+
+    def next_item(self, job: ApiRequest):
+        """The request's next item (see cluster.api), looking every POLL_S whether the
+        client is still there; a client that left raises ConnectionResetError."""
+        while True:
+            try:
+                return job.chunks.get(timeout=POLL_S)
+            except queue.Empty:
+                if self.client_left():
+                    raise ConnectionResetError("the client left") from None
+
+    def client_left(self) -> bool:
+        """The client closed its side: its socket reads as ended (no request of HTTP/1.1
+        pipelining is waiting in front of the end)."""
+        sock = self.connection
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def collect(self, job: ApiRequest) -> None:
+        answer = Answer()
+        while (item := self.next_item(job)) is not END:
+            if isinstance(item, RequestError):
+                return self.error(item, job.endpoint)
+            if item is RESTART:
+                answer = Answer()
+            else:
+                answer.add(item)
+        answer.result = job.result or {}
+        self.reply(200, job.endpoint.reply(job, answer))
+
+    def stream(self, job: ApiRequest) -> None:
+        item = self.next_item(job)
+        while item is RESTART:  # nothing was sent yet: wait for the new answer
+            item = self.next_item(job)
+        if isinstance(item, RequestError):
+            return self.error(item, job.endpoint)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        events = job.endpoint.events(job)
+        answer = Answer()
+        self.send_events(events.start())
+        while item is not END:
+            if isinstance(item, RequestError):  # the ranks failed mid-answer
+                self.send_events(events.fail(item))
+                break
+            answer.add(item)
+            if isinstance(item, Piece):
+                self.send_events(events.piece(item))
+            elif isinstance(item, ToolCall):
+                self.send_events(events.tool_call(item))
+            item = self.next_item(job)
+        else:
+            answer.result = job.result or {}
+            self.send_events(events.end(answer))
+        self.wfile.write(events.done)
+        self.wfile.flush()
+
+    def send_events(self, events: Iterable[SSE]) -> None:
+        for name, payload in events:
+            head = f"event: {name}\n".encode() if name else b""
+            self.wfile.write(head + b"data: " + json.dumps(payload).encode() + b"\n\n")
+        self.wfile.flush()

@@ -77,8 +77,10 @@ class JobLink(Protocol):
 
     def on_event(self, rank: int, event: Event) -> None: ...
 
-    def draining(self) -> None:
-        """The user asked for a drain (SIGINT/SIGTERM): refuse new requests."""
+    def draining(self, tell: bool = False) -> None:
+        """The user asked for a drain (SIGINT/SIGTERM): refuse new requests; with ``tell``,
+        write END_OF_INPUT to rank 0 after every request already sent (one channel, one
+        order)."""
 
 
 class Interrupted(BaseException):
@@ -417,15 +419,20 @@ def run_job(
     def drain() -> bool:
         """Serve: rank 0 finishes the answers under way, then every rank quits. While the
         ranks are still starting there is nothing to drain: the signal stops the job."""
+        ready = watch is not None and watch.state.all_ready
         if link is not None:
-            link.draining()
-        if watch is None or not watch.state.all_ready:
+            link.draining(tell=ready)
+        if not ready:
             return False
         note = (
             f"draining: finishing the answers under way (at most {spec.serve.drain_timeout:g} "
             "s); Ctrl-C again stops now"
         )
-        drained = tell_rank0(END_OF_INPUT, note)
+        if link is not None:  # the link writes END_OF_INPUT after the requests it sent
+            log(stderr, note)
+            drained = True
+        else:
+            drained = tell_rank0(END_OF_INPUT, note)
         if drained:
             watch.drained = True
         return drained

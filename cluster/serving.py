@@ -26,22 +26,24 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from .api import END, RESTART, ApiRequest, RequestError
+from .api import END, RESTART, ApiRequest, Door, RequestError
 from .apiserver import Api
 from .hostfile import Host, Hostfile
 from .jobstate import JobState
 from .launcher import Interrupted, LaunchError, log, restore_signals, run_job, trap_signals
 from .metrics import Metrics
 from .modelcheck import ModelError
-from .protocol import Counted, Event, Piece, Refused, Serving, Stats, ToolCall
+from .protocol import END_OF_INPUT, Counted, Event, Piece, Refused, Serving, Stats, ToolCall
 from .spec import JobSpec, LaunchSettings, to_dict
 
 REAP_EVERY_S = 0.25
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # waits for a lost host to answer again
+MOST_FAILURES_SEEN = 1  # a request under way at this many failures is not decoded again
+ASK_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -49,6 +51,8 @@ class Failure:
     at: float  # time.time()
     message: str  # the launcher's report, first line
     back_after_s: float | None = None  # until the ranks served again
+    in_flight: list[str] = field(default_factory=list)  # requests rank 0 held then
+    dropped: list[str] = field(default_factory=list)  # of those, given up (not replayed)
 
 
 @dataclass
@@ -62,17 +66,25 @@ class Flight:
 
 
 class Service:
-    """The requests, the running job's channel and what /health and /metrics say."""
+    """The requests, the running job's channel and what /health and /metrics say.
 
-    def __init__(self, hostfile: Hostfile, spec: JobSpec, stderr: IO[str]):
+    One thread (``loop``) owns all of it: the HTTP threads (submit, cancel, health), the
+    launcher (attach, on_event, draining) and the supervisor (job_ended, close) post calls
+    to ``calls`` and the loop runs them one at a time, in the order they came, so the order
+    of events is the order of the code (a drain after a request reaches rank 0 after it).
+    Tests make it with ``thread=False``: each call then runs at once, on the caller's
+    thread, so a test is a plain sequence of events."""
+
+    def __init__(self, hostfile: Hostfile, spec: JobSpec, stderr: IO[str], thread: bool = True):
         local = Path(spec.model).expanduser()
         self.model_id = local.name if local.exists() else spec.model
         self.spec = spec
         self.settings = spec.serve
+        self.door = Door(frozenset({self.model_id, spec.model}), spec.serve.max_tokens_cap)
         self.stderr = stderr
         self.hosts_total = len(hostfile.hosts)
         self.hostfile = hostfile  # the hosts of the current job
-        self.lock = threading.Lock()
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()  # reentrant: signal handlers post
         self.pending: deque[ApiRequest] = deque()
         self.waiting_since: dict[str, float] = {}
         self.inflight: dict[str, Flight] = {}
@@ -86,70 +98,54 @@ class Service:
         self.served = False  # the ranks were ready once: a later failure is restarted
         self.url = ""
         self.metrics = Metrics(lambda: list(self.state.ranks) if self.state else [])
-        threading.Thread(target=self.reap, daemon=True, name="reaper").start()
+        self.threaded = thread
+        if thread:
+            threading.Thread(target=self.loop, daemon=True, name="serve").start()
+
+    # posting (any thread)
+
+    def post(self, fn, *args) -> None:
+        if not self.threaded:
+            return self.run_one((fn, args, None))
+        self.calls.put((fn, args, None))
+
+    def ask(self, fn, *args):
+        """Run ``fn`` on the loop and return its result (what another thread may read)."""
+        if not self.threaded:
+            return fn(*args)
+        answer: queue.SimpleQueue = queue.SimpleQueue()
+        self.calls.put((fn, args, answer))
+        return answer.get(timeout=ASK_TIMEOUT_S)
+
+    def loop(self) -> None:
+        while True:
+            try:
+                self.run_one(self.calls.get(timeout=REAP_EVERY_S))
+            except queue.Empty:
+                pass
+            self.reap(time.monotonic())
+
+    def run_one(self, call) -> None:
+        fn, args, answer = call
+        try:
+            result = fn(*args)
+        except Exception as e:  # a bug here must not stop the loop that every request needs
+            log(self.stderr, f"serve: internal error in {fn.__name__}: {e!r}")
+            result = e
+        if answer is not None:
+            answer.put(result)
 
     # the API's side
 
-    def model_ids(self) -> set[str]:
-        return {self.model_id, self.spec.model}
-
     def submit(self, job: ApiRequest) -> None:
-        with self.lock:
-            if self.draining_now or self.closed:
-                self.refuse(job, RequestError(503, "the server is shutting down", "server_error"))
-            elif self.ready:
-                self.send(job)
-            else:
-                self.pending.append(job)
-                self.waiting_since[job.id] = time.monotonic()
-                self.metrics.queued.set(len(self.pending))
+        self.post(self.take, job)
 
     def cancel(self, job: ApiRequest) -> None:
         """The client went away: rank 0 drops its request at its next round."""
-        with self.lock:
-            if job in self.pending:
-                self.pending.remove(job)
-                self.metrics.queued.set(len(self.pending))
-            flight = self.inflight.get(job.id)
-            if flight is not None and not flight.gone:
-                flight.gone = True
-                self.write({"op": "cancel", "id": job.id})
-            self.metrics.finished("cancelled")
+        self.post(self.drop, job)
 
     def health(self) -> dict:
-        with self.lock:
-            if self.draining_now:
-                status = "draining"
-            elif self.ready:
-                status = "degraded" if len(self.hostfile.hosts) < self.hosts_total else "ok"
-            else:
-                status = "restarting" if self.failures else "starting"
-            now = time.monotonic()
-            ranks = [
-                {
-                    "rank": s.rank,
-                    "host": s.host,
-                    "phase": s.phase if s.exit_code is None else f"exited {s.exit_code}",
-                    "heartbeat_age_s": round(now - s.last_seen, 3) if s.last_seen else None,
-                    "peak_memory_gb": s.peak_memory_gb,
-                }
-                for s in (self.state.ranks if self.state else [])
-            ]
-            last = self.failures[-1] if self.failures else None
-            return {
-                "status": status,
-                "model": self.model_id,
-                "mode": self.spec.mode,
-                "ranks": len(ranks),
-                "ranks_up": sum(1 for r in ranks if r["phase"] in ("ready", "generating")),
-                "hosts": len(self.hostfile.hosts),
-                "hosts_in_hostfile": self.hosts_total,
-                "rank_states": ranks,
-                "restarts": len(self.failures),
-                "last_failure": dataclasses.asdict(last) if last else None,
-                "waiting": len(self.pending),
-                "in_flight": len(self.inflight),
-            }
+        return self.ask(self.describe)
 
     # the job's side (cluster.launcher.JobLink)
 
@@ -164,45 +160,120 @@ class Service:
                     return  # rank 0 is gone: the launcher reports it and the job ends
 
         threading.Thread(target=pump, daemon=True, name="to-rank0").start()
-        with self.lock:
-            self.outbox, self.state = outbox, state
+        self.ask(self.attached, outbox, state)
 
-    def draining(self) -> None:
-        with self.lock:
-            self.draining_now = True
+    def draining(self, tell: bool = False) -> None:
+        """Refuse new requests; with ``tell``, ask rank 0 to drain after what it was sent."""
+        self.post(self.start_drain, tell)
 
     def on_event(self, rank: int, event: Event) -> None:
+        self.post(self.event, rank, event, time.monotonic())
+
+    # the supervisor's side
+
+    def job_ended(self, error: LaunchError | None) -> None:
+        """The ranks are all stopped: decide the fate of what rank 0 held (waits for it)."""
+        self.ask(self.ended, error)
+
+    def close(self, why: str) -> None:
+        """No more jobs: whatever waits gets 503."""
+        self.ask(self.closing, why)
+
+    # the loop's own: every change of state is here
+
+    def take(self, job: ApiRequest) -> None:
+        if self.draining_now or self.closed:
+            self.refuse(job, RequestError(503, "the server is shutting down", "server_error"))
+        elif self.ready:
+            self.send(job)
+        else:
+            self.pending.append(job)
+            self.waiting_since[job.id] = time.monotonic()
+            self.metrics.queued.set(len(self.pending))
+
+    def drop(self, job: ApiRequest) -> None:
+        if job in self.pending:
+            self.pending.remove(job)
+            self.metrics.queued.set(len(self.pending))
+        flight = self.inflight.get(job.id)
+        if flight is not None and not flight.gone:
+            flight.gone = True
+            self.write({"op": "cancel", "id": job.id})
+        self.metrics.finished("cancelled")
+
+    def describe(self) -> dict:
+        if self.draining_now:
+            status = "draining"
+        elif self.ready:
+            status = "degraded" if len(self.hostfile.hosts) < self.hosts_total else "ok"
+        else:
+            status = "restarting" if self.failures else "starting"
         now = time.monotonic()
-        with self.lock:
-            if isinstance(event, Serving):
-                self.became_ready(event, now)
-                return
-            flight = self.inflight.get(getattr(event, "request", None) or "")
-            if flight is None:
-                return
-            job = flight.job
-            if isinstance(event, (Piece, ToolCall)):
-                if not flight.shown:
-                    self.metrics.ttft.observe(now - job.arrived)
-                else:
-                    self.metrics.token_latency.observe(now - flight.last)
-                flight.shown, flight.last = True, now
-                job.chunks.put(event)
-            elif isinstance(event, Counted):
-                del self.inflight[job.id]
-                job.result = {"prompt_tokens": event.prompt_tokens}
-                job.chunks.put(END)
-                self.metrics.finished(200)
-            elif isinstance(event, Stats):
-                del self.inflight[job.id]
-                job.result = to_dict(event)
-                job.chunks.put(END)
-                if not flight.gone:
-                    self.metrics.answered(event.usage)
-            elif isinstance(event, Refused):
-                del self.inflight[job.id]
-                kind = "server_error" if event.status >= 500 else "invalid_request_error"
-                self.refuse(job, RequestError(event.status, event.message, kind))
+        ranks = [
+            {
+                "rank": s.rank,
+                "host": s.host,
+                "phase": s.phase if s.exit_code is None else f"exited {s.exit_code}",
+                "heartbeat_age_s": round(now - s.last_seen, 3) if s.last_seen else None,
+                "peak_memory_gb": s.peak_memory_gb,
+            }
+            for s in (self.state.ranks if self.state else [])
+        ]
+        last = self.failures[-1] if self.failures else None
+        return {
+            "status": status,
+            "model": self.model_id,
+            "mode": self.spec.mode,
+            "ranks": len(ranks),
+            "ranks_up": sum(1 for r in ranks if r["phase"] in ("ready", "generating")),
+            "hosts": len(self.hostfile.hosts),
+            "hosts_in_hostfile": self.hosts_total,
+            "rank_states": ranks,
+            "restarts": len(self.failures),
+            "last_failure": dataclasses.asdict(last) if last else None,
+            "dropped_after_failures": [i for f in self.failures for i in f.dropped],
+            "waiting": len(self.pending),
+            "in_flight": len(self.inflight),
+        }
+
+    def attached(self, outbox: queue.Queue, state: JobState) -> None:
+        self.outbox, self.state = outbox, state
+
+    def start_drain(self, tell: bool) -> None:
+        self.draining_now = True
+        if tell and self.outbox is not None:
+            self.outbox.put(END_OF_INPUT)
+
+    def event(self, rank: int, event: Event, now: float) -> None:
+        if isinstance(event, Serving):
+            self.became_ready(event, now)
+            return
+        flight = self.inflight.get(getattr(event, "request", None) or "")
+        if flight is None:
+            return
+        job = flight.job
+        if isinstance(event, (Piece, ToolCall)):
+            if not flight.shown:
+                self.metrics.ttft.observe(now - job.arrived)
+            else:
+                self.metrics.token_latency.observe(now - flight.last)
+            flight.shown, flight.last = True, now
+            job.chunks.put(event)
+        elif isinstance(event, Counted):
+            del self.inflight[job.id]
+            job.result = {"prompt_tokens": event.prompt_tokens}
+            job.chunks.put(END)
+            self.metrics.finished(200)
+        elif isinstance(event, Stats):
+            del self.inflight[job.id]
+            job.result = to_dict(event)
+            job.chunks.put(END)
+            if not flight.gone:
+                self.metrics.answered(event.usage)
+        elif isinstance(event, Refused):
+            del self.inflight[job.id]
+            kind = "server_error" if event.status >= 500 else "invalid_request_error"
+            self.refuse(job, RequestError(event.status, event.message, kind))
 
     def became_ready(self, event: Serving, now: float) -> None:
         self.ready = self.served = True
@@ -222,83 +293,87 @@ class Service:
         self.waiting_since.clear()
         self.metrics.queued.set(0)
 
-    # the supervisor's side
-
-    def job_ended(self, error: LaunchError | None) -> None:
-        """The ranks are all stopped: decide the fate of what rank 0 held."""
-        with self.lock:
-            self.ready = False
-            if self.outbox is not None:
-                self.outbox.put(None)
-            self.outbox = None
-            if error is None:
-                return
-            self.failed_at = time.monotonic()
-            self.failures.append(Failure(time.time(), first_line(error)))
-            again, cut = [], 0
-            for flight in self.inflight.values():
-                job = flight.job
-                if flight.gone:
-                    continue
-                if job.stream and flight.shown:
-                    why = first_line(error) or "the ranks failed"
-                    job.chunks.put(
-                        RequestError(
-                            502,
-                            f"the answer was cut: {why}; the ranks restart; send the request again",
-                            "server_error",
-                        )  # fmt: skip
-                    )
-                    self.metrics.finished("stream_error")
-                    cut += 1
-                    continue
+    def ended(self, error: LaunchError | None) -> None:
+        """A request rank 0 held whose client has seen nothing yet (any non-streaming one,
+        a stream before its first text) is decoded again after the restart, once: one that
+        was under way at an earlier failure too gets an error instead (it may be what makes
+        the ranks fail). A stream under way ends with an error event."""
+        self.ready = False
+        if self.outbox is not None:
+            self.outbox.put(None)
+        self.outbox = None
+        if error is None:
+            return
+        why = first_line(error) or "the ranks failed"
+        self.failed_at = time.monotonic()
+        failure = Failure(time.time(), first_line(error), in_flight=list(self.inflight))
+        self.failures.append(failure)
+        again, cut = [], 0
+        for flight in self.inflight.values():
+            job = flight.job
+            if flight.gone:
+                continue
+            job.failures_seen += 1
+            if job.stream and flight.shown:
+                message = f"the answer was cut: {why}; the ranks restart; send the request again"
+                job.chunks.put(RequestError(502, message, "server_error"))
+                self.metrics.finished("stream_error")
+                cut += 1
+            elif job.failures_seen > MOST_FAILURES_SEEN:
+                failure.dropped.append(job.id)
+                message = (
+                    f"the ranks failed {job.failures_seen} times while this request was under "
+                    f"way (last: {why}); it is not decoded again"
+                )
+                self.refuse(job, RequestError(500, message, "server_error"))
+                log(
+                    self.stderr,
+                    f"request {job.id} was under way at {job.failures_seen} failures of the "
+                    "ranks: answered with an error, not replayed",
+                )
+            else:
                 if flight.shown:
                     job.chunks.put(RESTART)
                 again.append(job)
-            self.inflight.clear()
-            now = time.monotonic()
-            for job in reversed(again):  # first in line, in their order of arrival
-                self.pending.appendleft(job)
-                self.waiting_since[job.id] = now
-            self.metrics.queued.set(len(self.pending))
-            if again or cut:
-                log(self.stderr, f"of the answers under way: {len(again)} request(s) to decode "
-                                 f"again, {cut} stream(s) cut")  # fmt: skip
+        self.inflight.clear()
+        now = time.monotonic()
+        for job in reversed(again):  # first in line, in their order of arrival
+            self.pending.appendleft(job)
+            self.waiting_since[job.id] = now
+        self.metrics.queued.set(len(self.pending))
+        if again or cut or failure.dropped:
+            log(
+                self.stderr,
+                f"of the answers under way: {len(again)} request(s) to decode again, "
+                f"{cut} stream(s) cut, {len(failure.dropped)} given up",
+            )
 
-    def close(self, why: str) -> None:
-        """No more jobs: whatever waits gets 503."""
-        with self.lock:
-            self.closed = True
-            for job in self.pending:
-                self.refuse(job, RequestError(503, why, "server_error"))
-            self.pending.clear()
-            for flight in self.inflight.values():
-                self.refuse(flight.job, RequestError(503, why, "server_error"))
-            self.inflight.clear()
+    def closing(self, why: str) -> None:
+        self.closed = True
+        for job in self.pending:
+            self.refuse(job, RequestError(503, why, "server_error"))
+        self.pending.clear()
+        for flight in self.inflight.values():
+            self.refuse(flight.job, RequestError(503, why, "server_error"))
+        self.inflight.clear()
 
-    def reap(self) -> None:
+    def reap(self, now: float) -> None:
         """Requests past the restart wait get 503 with Retry-After."""
-        while True:
-            time.sleep(REAP_EVERY_S)
-            now = time.monotonic()
-            with self.lock:
-                late = [
-                    j
-                    for j in self.pending
-                    if now - self.waiting_since.get(j.id, now) > self.settings.restart_wait
-                ]
-                for job in late:
-                    self.pending.remove(job)
-                    status = "restarting" if self.failures else "starting"
-                    message = (
-                        f"the ranks are not ready after {self.settings.restart_wait:g} s "
-                        f"({status}); retry later"
-                    )
-                    self.refuse(job, RequestError(503, message, "server_error", retry_after=10))
-                if late:
-                    self.metrics.queued.set(len(self.pending))
-
-    # helpers, called with the lock held
+        late = [
+            j
+            for j in self.pending
+            if now - self.waiting_since.get(j.id, now) > self.settings.restart_wait
+        ]
+        for job in late:
+            self.pending.remove(job)
+            status = "restarting" if self.failures else "starting"
+            message = (
+                f"the ranks are not ready after {self.settings.restart_wait:g} s "
+                f"({status}); retry later"
+            )
+            self.refuse(job, RequestError(503, message, "server_error", retry_after=10))
+        if late:
+            self.metrics.queued.set(len(self.pending))
 
     def send(self, job: ApiRequest) -> None:
         self.inflight[job.id] = Flight(job)
@@ -386,7 +461,15 @@ def serve_until_done(
     settings = spec.serve
     service = Service(hostfile, spec, stderr)
     try:
-        api = Api(settings.host, settings.port, settings.api_key, service)
+        api = Api(
+            settings.host,
+            settings.port,
+            settings.api_key,
+            service,
+            max_body_bytes=int(settings.max_body_mb * (1 << 20)),
+            read_timeout=settings.read_timeout,
+            max_connections=settings.max_connections,
+        )
     except OSError as e:
         log(stderr, f"cannot listen on {settings.host}:{settings.port} ({e.strerror}); "
                     "pass another --port")  # fmt: skip

@@ -35,6 +35,7 @@ class Sampling:
     frequency_penalty: float | None = None
     stop: list[str] = field(default_factory=list)  # rank 0 decides, every rank agrees
     seed: int | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> added to its logit
 
 
 @dataclass
@@ -71,6 +72,12 @@ class ServeSettings:
     decode_concurrency: int = 32  # most requests decoded together
     prompt_concurrency: int = 8  # most prompts prefilled together
     prompt_cache_size: int = 10  # finished answers whose caches every rank keeps (0: none)
+    serve_cache_gb: float | None = None  # their most KV per rank (None: from memory left)
+    max_tokens_cap: int = 32768  # the most max_tokens a request may ask
+    max_prompt_tokens: int | None = None  # the longest prompt (None: the model's context)
+    max_body_mb: float = 16.0  # the largest request body
+    max_connections: int = 256  # open HTTP connections at once (503 past it)
+    read_timeout: float = 30.0  # a request's line, headers and body must arrive within this
 
 
 @dataclass

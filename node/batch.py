@@ -10,8 +10,13 @@ round. Only rank 0 turns tokens into text.
 Each rank also keeps the same prompt cache (mlx-lm's LRUPromptCache, holding that rank's own
 layers or slices): a finished answer's cache is kept under its tokens, and a new request starts
 from the longest cached prefix, so a client that sends the conversation again prefills only its
-new turn. Every rank makes the same inserts and lookups in the same order, and eviction is by
-count only (bytes differ from rank to rank), so every rank picks the same prefix.
+new turn. Every rank makes the same inserts and lookups in the same order. The cache is bounded
+by count and by bytes; bytes differ from rank to rank, so after a round that kept an answer,
+one all_sum tells every rank whether any rank is over its bytes, and every rank then drops its
+least recently used entry alike, until none is.
+
+A request whose settings fail (node.sampling.tried, the same on every rank) does not join: it
+fails alone and the batch goes on.
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from .generate import STOP_CHECK_EVERY
+from .generate import STOP_CHECK_EVERY, Ticking
 from .memory import reapply_wired_limit
-from .sampling import processors, sampler
+from .sampling import RequestFailed, tried
 
 ROUND_STEPS = STOP_CHECK_EVERY  # generator steps between two orders of rank 0
 MODEL_KEY = "served"  # one model per server: every cache entry is under this key
@@ -50,12 +55,18 @@ class Lockstep:
         decode_concurrency: int,
         prompt_concurrency: int,
         prompt_cache_size: int,
+        cache_bytes: float = float("inf"),
+        group=None,
+        vocab: int | None = None,
     ):
         self.prompt_cache = (
             LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
         )
+        self.cache_bytes = cache_bytes  # this rank's most bytes of kept caches
+        self.group = group
+        self.vocab = vocab or tokenizer.vocab_size
         self.generator = BatchGenerator(
-            model,
+            Ticking(model),  # a tick per forward pass: a long batched prefill is progress
             stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
             completion_batch_size=decode_concurrency,
             prefill_batch_size=prompt_concurrency,
@@ -63,24 +74,31 @@ class Lockstep:
         )
         reapply_wired_limit()
         self.live: set[int] = set()  # inserted and not yet finished or removed
+        self.kept = 0  # answers' caches kept since the bytes were last checked
 
-    def apply(self, order: dict) -> list[tuple[int, int]]:
+    def apply(self, order: dict) -> list[tuple[int | None, int, str | None]]:
         """Insert ``order['insert']`` (requests as node.sampling.settings makes them, with
         ``tokens``) and drop ``order['remove']``; returns (uid, prompt tokens taken from the
-        cache) for each new request, in order."""
+        cache, None) for each new request, in order, or (None, 0, why) for one whose
+        settings failed (on every rank alike)."""
         joined = []
         for r in order.get("insert", ()):
+            try:
+                chosen, chain = tried(r, self.vocab)
+            except RequestFailed as e:
+                joined.append((None, 0, str(e)))
+                continue
             cache, rest = self.nearest(r["tokens"])
             (uid,) = self.generator.insert(
                 [rest],
                 max_tokens=[r["max_tokens"]],
                 caches=[cache],
                 all_tokens=[r["tokens"][: len(r["tokens"]) - len(rest)]],
-                samplers=[sampler(r)],
-                logits_processors=[processors(r, len(r["tokens"]))],
+                samplers=[chosen],
+                logits_processors=[chain],
             )
-            joined.append((uid, len(r["tokens"]) - len(rest)))
-        self.live.update(uid for uid, _ in joined)
+            joined.append((uid, len(r["tokens"]) - len(rest), None))
+        self.live.update(uid for uid, _, _ in joined if uid is not None)
         gone = [u for u in order.get("remove", ()) if u in self.live]
         if gone:
             self.generator.remove(gone)
@@ -106,6 +124,22 @@ class Lockstep:
             self.prompt_cache.insert_cache(
                 MODEL_KEY, list(response.all_tokens), response.prompt_cache
             )
+            self.kept += 1
+
+    def fit_bytes(self) -> None:
+        """Every rank drops its least recently used cache while any rank is over its bytes
+        (one all_sum per entry dropped, and one to agree there is nothing to drop)."""
+        import mlx.core as mx
+
+        while self.kept and len(self.prompt_cache):
+            over = self.prompt_cache.nbytes > self.cache_bytes
+            if self.group is not None and self.group.size() > 1:
+                flag = mx.array(1.0 if over else 0.0)
+                over = mx.distributed.all_sum(flag, group=self.group, stream=mx.cpu).item() > 0
+            if not over:
+                break
+            self.prompt_cache.trim_to(n_sequences=len(self.prompt_cache) - 1)
+        self.kept = 0
 
     def round(self, on_token: Callable | None) -> None:
         """Step the generator ROUND_STEPS times (fewer once nothing is left); ``on_token`` (rank
@@ -122,6 +156,8 @@ class Lockstep:
                 if on_token is not None:
                     on_token(r)
         mx.synchronize(generation_stream)
+        if self.kept:
+            self.fit_bytes()
 
     def close(self) -> None:
         self.generator.close()

@@ -38,6 +38,29 @@ def sampling_of(request: dict[str, Any]) -> Sampling:
     return Sampling(**{name: request[name] for name in SAMPLING_FIELDS})
 
 
+class RequestFailed(ValueError):
+    """A request's settings failed on this rank; being the same on every rank, they fail
+    alike everywhere, so the request fails alone and the ranks go on."""
+
+
+def tried(request: dict[str, Any], vocab: int) -> tuple[Callable, list]:
+    """The request's sampler and processors, run once on a row of zero logits, so that a
+    setting that would raise in the middle of a batch's step raises here, before the request
+    joins (RequestFailed). Every rank does the same, in the same order: the random state
+    they draw from stays alike."""
+    try:
+        chosen = sampler(request)
+        chain = processors(request, len(request["tokens"]))
+        logits = mx.zeros((1, vocab))
+        history = mx.array(request["tokens"][-1:])
+        for process in chain:
+            logits = process(history, logits)
+        mx.eval(chosen(logits))
+    except Exception as e:
+        raise RequestFailed(f"{type(e).__name__}: {e}") from None
+    return chosen, chain
+
+
 def sampler(request: dict[str, Any]) -> Callable[[mx.array], mx.array]:
     s = sampling_of(request)
     return make_sampler(
@@ -99,9 +122,20 @@ def repetition_penalty(penalty: float, prompt_len: int):
     return apply
 
 
+def logit_bias(bias: dict[str, float]):
+    """Add each bias to its token's logit (OpenAI's logit_bias; ids checked on rank 0)."""
+    ids = mx.array([int(k) for k in bias])
+    values = mx.array(list(bias.values()))
+
+    def apply(tokens: mx.array, logits: mx.array) -> mx.array:
+        return logits.at[..., ids].add(values.astype(logits.dtype))
+
+    return apply
+
+
 def processors(request: dict[str, Any], prompt_len: int) -> list:
     s = sampling_of(request)
-    chosen = []
+    chosen = [logit_bias(s.logit_bias)] if s.logit_bias else []
     if s.repetition_penalty not in (None, 1.0):
         chosen.append(repetition_penalty(s.repetition_penalty, prompt_len))
     if s.presence_penalty not in (None, 0.0):

@@ -18,6 +18,7 @@ other ranks wait in share_object, and an idle rank 0 meets them every PING_S.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -36,7 +37,7 @@ from cluster.spec import JobSpec, ServeRequest, from_dict
 
 from .generate import AnswerText, answer_stats, answer_text
 from .parts import Parts, token_logprobs
-from .sampling import settings
+from .sampling import RequestFailed, settings, tried
 from .watchdog import progress
 
 PING_S = 2.0  # an idle rank 0 shows every rank it is still there this often
@@ -49,42 +50,54 @@ class Job:
 
     request: ServeRequest
     cancel: threading.Event = field(default_factory=threading.Event)
-    parts: Parts | None = None  # its text as the API returns it (set once it is scheduled)
+    parts: Parts | None = None  # its text as the API returns it (set once it is prepared)
+    shared: dict | None = None  # what every rank gets: tokens and settings (once prepared)
 
 
 class Inbox:
-    """Rank 0's channel from the launcher, read on a thread: requests into a queue, cancels
-    onto their jobs, END_OF_INPUT (or the end of the channel) into ``draining``."""
+    """Rank 0's channel from the launcher, read on a thread: requests go to ``prepare`` (on a
+    thread of its own: templates and tokenization never run on the decode loop), cancels onto
+    their jobs, END_OF_INPUT (or the end of the channel) into ``draining`` once every request
+    before it is prepared."""
 
-    def __init__(self, stream: IO[bytes], log: Callable[[str], None]):
-        self.jobs: queue.Queue[Job | None] = queue.Queue()  # None wakes the main thread
+    def __init__(self, stream: IO[bytes], log: Callable[[str], None], prepare=None):
+        self.jobs: queue.Queue[Job | None] = queue.Queue()  # prepared; None wakes the loop
         self.known: dict[str, Job] = {}  # not yet ended, by id
         self.draining = threading.Event()
         self.log = log
+        self.prepare = prepare or (lambda job: job)  # a Job -> the Job ready to schedule, or None
+        self.lines: queue.Queue[Job | None] = queue.Queue()  # to prepare; None: drain
         fd = stream.fileno()
         threading.Thread(target=self.read, args=(fd,), daemon=True, name="inbox").start()
+        threading.Thread(target=self.prepare_all, daemon=True, name="prepare").start()
 
     def read(self, fd: int) -> None:
-        """Lines until the channel ends; cancels still count after END_OF_INPUT (a client
-        that leaves while the drain finishes its answer)."""
+        """Lines until the channel ends, in order: the requests before END_OF_INPUT are
+        served, the drain comes after them; cancels still count after it (a client that
+        leaves while the drain finishes its answer)."""
         buffer = b""
         try:
             while data := os.read(fd, 65536):
-                if END_OF_INPUT in data:
-                    data = data.replace(END_OF_INPUT, b"")
+                while END_OF_INPUT in data:
+                    before, data = data.split(END_OF_INPUT, 1)
+                    self.lines_of(buffer + before, final=True)
+                    buffer = b""
                     self.drain()
-                buffer += data
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    self.take(line)
+                buffer = self.lines_of(buffer + data)
         except OSError:
             pass
         self.drain()
 
+    def lines_of(self, data: bytes, final: bool = False) -> bytes:
+        *lines, rest = data.split(b"\n")
+        for line in [*lines, rest] if final else lines:
+            self.take(line)
+        return b"" if final else rest
+
     def drain(self) -> None:
         if not self.draining.is_set():
             self.draining.set()
-            self.jobs.put(None)
+            self.lines.put(None)
 
     def take(self, line: bytes) -> None:
         if not line.strip():
@@ -100,10 +113,26 @@ class Inbox:
             self.log(f"serve: a line from the launcher that is not a request ({e}); ignored")
             return
         if self.draining.is_set():
-            return  # the launcher refuses new requests once it asked for the drain
+            return  # the launcher sends nothing after END_OF_INPUT
         job = Job(request)
         self.known[request.id] = job
-        self.jobs.put(job)
+        self.lines.put(job)
+
+    def prepare_all(self) -> None:
+        while (job := self.lines.get()) is not None:
+            if job.cancel.is_set():
+                self.ended(job)
+                continue
+            try:
+                ready = self.prepare(job)
+            except Exception as e:  # a bug in preparing must not end the thread
+                self.log(f"serve: could not prepare request {job.request.id}: {e!r}")
+                ready = None
+            if ready is None:
+                self.ended(job)
+            else:
+                self.jobs.put(ready)
+        self.jobs.put(None)
 
     def ended(self, job: Job) -> None:
         self.known.pop(job.request.id, None)
@@ -115,6 +144,62 @@ def prompt_of(request: ServeRequest, tokenizer) -> list[int]:
     if request.kind in ("chat", "count"):
         return render(tokenizer, request.messages, request.template)
     return tokenizer.encode(request.prompt)
+
+
+class Refusal(ValueError):
+    """A request rank 0 refuses once it has its tokens (the field and the limit named)."""
+
+
+@dataclass
+class Admission:
+    """What rank 0 checks of a request once its prompt is tokens: the prompt against the
+    model's context and the server's limit, max_tokens lowered to what the context leaves,
+    top_k at or past the vocabulary meaning "off", logit_bias ids inside the vocabulary."""
+
+    vocab: int | None
+    context: int | None
+    max_prompt_tokens: int | None
+
+    @classmethod
+    def of(cls, config: dict, settings) -> Admission:
+        from cluster.modelcheck import text_config
+
+        text = text_config(config)
+        return cls(
+            text.get("vocab_size") or config.get("vocab_size"),
+            text.get("max_position_embeddings") or config.get("max_position_embeddings"),
+            settings.max_prompt_tokens,
+        )
+
+    def request(self, tokens: list[int], sampling) -> dict:
+        """The shared request (node.sampling.settings), or Refusal."""
+        n = len(tokens)
+        most = self.max_prompt_tokens or self.context
+        if most and n > most:
+            whose = (
+                "this server's --max-prompt-tokens"
+                if self.max_prompt_tokens
+                else ("the model's context")
+            )
+            raise Refusal(f"the prompt is {n} tokens, over {whose} ({most})")
+        changes = {}
+        if self.context:
+            left = self.context - n
+            if left < 1:
+                raise Refusal(f"the prompt is {n} tokens and fills the model's context "
+                              f"({self.context}); nothing is left for the answer")  # fmt: skip
+            if sampling.max_tokens > left:
+                changes["max_tokens"] = left
+        if self.vocab and sampling.top_k >= self.vocab:
+            changes["top_k"] = 0
+        if self.vocab and sampling.logit_bias:
+            outside = [k for k in sampling.logit_bias if int(k) >= self.vocab]
+            if outside:
+                raise Refusal(f"'logit_bias': token id {outside[0]} is outside the "
+                              f"vocabulary (0 to {self.vocab - 1})")  # fmt: skip
+        if changes:
+            sampling = dataclasses.replace(sampling, **changes)
+        return {"tokens": tokens, **settings(sampling)}
 
 
 @dataclass
@@ -139,9 +224,10 @@ class Scheduler:
     random state, which a batch shares. So are all requests of a model whose caches cannot be
     batched."""
 
-    def __init__(self, inbox: Inbox, tokenizer, emit, batched: bool, drain_timeout: float):
-        self.inbox = inbox
+    def __init__(self, tokenizer, emit, batched: bool, drain_timeout: float, admission: Admission):
+        self.inbox: Inbox | None = None  # set by ``listen``
         self.tokenizer = tokenizer
+        self.admission = admission
         self.emit = emit
         self.batched = batched
         self.drain_timeout = drain_timeout
@@ -150,6 +236,9 @@ class Scheduler:
         self.lives: dict[int, Live] = {}
         self.removals: list[int] = []
         self.drain_deadline: float | None = None
+
+    def listen(self, stream: IO[bytes], log: Callable[[str], None]) -> None:
+        self.inbox = Inbox(stream, log, self.prepare)
 
     def piece(self, job: Job, text: str) -> None:
         job.parts.feed(text)
@@ -160,26 +249,35 @@ class Scheduler:
         if top is not None and response.logprobs is not None:
             job.parts.token(token_logprobs(self.tokenizer, response.token, response.logprobs, top))
 
+    def prepare(self, job: Job) -> Job | None:
+        """On the inbox's prepare thread: the request's tokens and its shared settings
+        (``job.shared``), or its refusal or count sent back (None)."""
+        r = job.request
+        try:
+            tokens = prompt_of(r, self.tokenizer)
+            if not tokens:
+                raise ValueError("the prompt is empty after tokenization")
+        except Exception as e:  # a template that cannot render these messages
+            self.emit(Refused(r.id, 400, f"cannot build the prompt: {e}"))
+            return None
+        if r.kind == "count":
+            self.emit(Counted(r.id, len(tokens)))
+            return None
+        try:
+            job.shared = self.admission.request(tokens, r.sampling)
+        except Refusal as e:
+            self.emit(Refused(r.id, 400, str(e)))
+            return None
+        job.parts = Parts(r.id, self.tokenizer, r.template.tools, r.kind == "chat", self.emit)
+        return job
+
     def take(self, job: Job | None) -> None:
-        """A request into the waiting line, or refused back to the launcher."""
+        """A prepared request into the waiting line."""
         if job is None:  # a wake-up (drain)
             return
         if job.cancel.is_set():
             return self.inbox.ended(job)
-        try:
-            tokens = prompt_of(job.request, self.tokenizer)
-            if not tokens:
-                raise ValueError("the prompt is empty after tokenization")
-        except Exception as e:  # a template that cannot render these messages
-            self.emit(Refused(job.request.id, 400, f"cannot build the prompt: {e}"))
-            return self.inbox.ended(job)
-        r = job.request
-        if r.kind == "count":
-            self.emit(Counted(r.id, len(tokens)))
-            return self.inbox.ended(job)
-        job.parts = Parts(r.id, self.tokenizer, r.template.tools, r.kind == "chat", self.emit)
-        request = {"tokens": tokens, **settings(r.sampling)}
-        self.waiting.append((job, request))
+        self.waiting.append((job, job.shared))
 
     def order(self, live: int) -> dict | None:
         """The next order for every rank: {} is a ping (nothing to do, all still here), None
@@ -234,10 +332,14 @@ class Scheduler:
             self.emit(Refused(job.request.id, 503, "the server is shutting down"))
         self.waiting.clear()
 
-    def bind(self, joined: list[tuple[int, int]]) -> None:
-        """The requests just inserted: (uid, prompt tokens taken from the cache), in order."""
+    def bind(self, joined: list[tuple[int | None, int, str | None]]) -> None:
+        """The requests just inserted: (uid, prompt tokens taken from the cache, why it
+        failed), in order. One that failed on the ranks is answered with a 500 alone."""
         now = time.perf_counter()
-        for (uid, cached), (job, request) in zip(joined, self.inserting, strict=True):
+        for (uid, cached, failed), (job, request) in zip(joined, self.inserting, strict=True):
+            if failed is not None:
+                self.failed(job, failed)
+                continue
             text = answer_text(self.tokenizer, request)
             if text.opening:
                 self.piece(job, text.start())
@@ -245,6 +347,11 @@ class Scheduler:
                 job, self.tokenizer.detokenizer, text, len(request["tokens"]), now, cached
             )
         self.inserting = []
+
+    def failed(self, job: Job, why: str) -> None:
+        self.emit(Refused(job.request.id, 500, f"the request failed on the ranks ({why}); "
+                                               "the server goes on"))  # fmt: skip
+        self.inbox.ended(job)
 
     def on_token(self, r) -> None:
         """One generated token of one request: its text to the client, its end if it ends."""
@@ -298,6 +405,25 @@ class Scheduler:
         self.inbox.ended(job)
 
 
+def cache_budget(gb: float | None, ranks_on_host: int) -> float:
+    """Bytes this rank's kept caches may take: ``gb`` as asked, else half of the memory left
+    once the weights are loaded (Metal's limit on a Mac, the host's free memory shared by its
+    ranks elsewhere)."""
+    import mlx.core as mx
+
+    from .memory import metal_limits
+
+    if gb is not None:
+        return gb * 1e9
+    if mx.metal.is_available() and (limit := metal_limits(mx.device_info())):
+        return max(0.0, (limit - mx.get_active_memory()) / 2)
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 4e9
+    return free / max(1, ranks_on_host) / 2
+
+
 def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
     """Every rank's loop: rank 0 says what to do each round, every rank does it; returns once
     rank 0 says quit (a drain ended)."""
@@ -319,11 +445,16 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
             "decode_concurrency": options.decode_concurrency,
             "prompt_concurrency": options.prompt_concurrency,
             "prompt_cache_size": options.prompt_cache_size,
+            "cache_gb": options.serve_cache_gb,
         }
 
     agreed = share_from_rank0(setup if rank0 else None, group, "start serving")
     mx.random.seed(agreed["seed"])
     batched = batchable(loaded.model)
+    vocab = Admission.of(loaded.config, options).vocab or loaded.tokenizer.vocab_size
+    cache_bytes = cache_budget(agreed["cache_gb"], spec.ranks_on_host)
+    if batched:
+        log(f"serve: kept answers' caches take at most {cache_bytes / 1e9:.1f} GB on this rank")
     batch = (
         Lockstep(
             loaded.model,
@@ -331,14 +462,18 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
             agreed["decode_concurrency"],
             agreed["prompt_concurrency"],
             agreed["prompt_cache_size"],
+            cache_bytes,
+            group,
+            vocab,
         )
         if batched
         else None
     )
     scheduler = None
     if rank0:
-        inbox = Inbox(launcher_input(), log)
-        scheduler = Scheduler(inbox, loaded.tokenizer, emit, batched, options.drain_timeout)
+        admission = Admission.of(loaded.config, options)
+        scheduler = Scheduler(loaded.tokenizer, emit, batched, options.drain_timeout, admission)
+        scheduler.listen(launcher_input(), log)
         local = Path(spec.model).expanduser()
         emit(Serving(local.name if local.exists() else spec.model, batched))
     live = 0
@@ -355,6 +490,13 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
                 break
             if "single" in order:
                 job = scheduler.inserting[0][0] if rank0 else None
+                try:
+                    tried(order["single"], vocab)
+                except RequestFailed as e:  # on every rank alike
+                    if rank0:
+                        scheduler.inserting = []
+                        scheduler.failed(job, str(e))
+                    continue
                 answer = generate(
                     loaded.model,
                     loaded.tokenizer,

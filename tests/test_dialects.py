@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from cluster.api import Answer, ApiRequest, RequestError
+from cluster.api import Answer, ApiRequest, Door, RequestError
 from cluster.api_anthropic import CountTokens, Messages
 from cluster.api_openai import ChatCompletions
 from cluster.api_responses import Responses
 from cluster.protocol import Piece, ToolCall
 from node.parts import Parts
 
-MODELS = {"m"}
+MODELS = Door(frozenset({"m"}))
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CALLED = {
     "role": "assistant",

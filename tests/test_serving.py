@@ -6,10 +6,11 @@ from __future__ import annotations
 import io
 import json
 import socket
+import time
 
 from conftest import invoke
 
-from cluster.api import END, RESTART, ApiRequest, RequestError
+from cluster.api import END, RESTART, ApiRequest, Door, RequestError
 from cluster.api_openai import ChatCompletions
 from cluster.hostfile import parse_hostfile
 from cluster.jobstate import JobState, RankState
@@ -23,7 +24,7 @@ HOSTS = {"hosts": [{"ssh": "a.local"}, {"ssh": "b.local"}, {"ssh": "c.local"}]}
 
 def service(restart_wait: float = 60.0) -> tuple[Service, list[bytes]]:
     spec = JobSpec(model="m", command="serve", serve=ServeSettings(restart_wait=restart_wait))
-    svc = Service(parse_hostfile(HOSTS), spec, io.StringIO())
+    svc = Service(parse_hostfile(HOSTS), spec, io.StringIO(), thread=False)
     sent: list[bytes] = []
     return svc, sent
 
@@ -36,7 +37,7 @@ def start_job(svc: Service, sent: list[bytes]) -> None:
 def request(stream: bool) -> ApiRequest:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
     chat = ChatCompletions()
-    return ApiRequest(chat, chat.parse(body, {"m"}), stream, "m", body)
+    return ApiRequest(chat, chat.parse(body, Door(frozenset({"m"}))), stream, "m", body)
 
 
 def drain(job: ApiRequest) -> list:
@@ -103,7 +104,9 @@ def test_a_request_past_the_restart_wait_gets_503_with_retry_after():
     svc, _ = service(restart_wait=0.0)
     job = request(False)
     svc.submit(job)
-    error = job.chunks.get(timeout=5)
+    assert job.chunks.empty()  # it waits for the ranks...
+    svc.reap(time.monotonic() + 0.001)  # ...until the loop's next look past the wait
+    error = job.chunks.get_nowait()
     assert isinstance(error, RequestError) and error.status == 503 and error.retry_after
     assert "not ready after 0 s (starting)" in str(error)
     assert not svc.pending

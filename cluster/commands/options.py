@@ -370,6 +370,53 @@ SERVE = {  # ServeSettings
         help="Finished answers whose KV caches every rank keeps; a request that starts with one "
         "(a chat sent again with a new turn) prefills only the rest. 0: no cache.",
     ),
+    "serve_cache_gb": click.option(
+        "--prompt-cache-gb",
+        "serve_cache_gb",
+        type=click.FloatRange(min=0),
+        default=default(ServeSettings, "serve_cache_gb"),
+        help="Most KV cache of kept answers per rank, in GB; the least-recently used go first, "
+        "decided alike on every rank. Default: half the memory left on the rank after the "
+        "weights.",
+    ),
+    "max_tokens_cap": click.option(
+        "--max-tokens-cap",
+        type=click.IntRange(min=1),
+        default=default(ServeSettings, "max_tokens_cap"),
+        show_default=True,
+        help="The most max_tokens a request may ask (more: 400). Rank 0 also lowers a "
+        "request's max_tokens to what the model's context leaves after its prompt.",
+    ),
+    "max_prompt_tokens": click.option(
+        "--max-prompt-tokens",
+        type=click.IntRange(min=1),
+        default=default(ServeSettings, "max_prompt_tokens"),
+        help="The longest prompt in tokens (longer: 400). Default: the model's context "
+        "(max_position_embeddings).",
+    ),
+    "max_body_mb": click.option(
+        "--max-body-mb",
+        type=click.FloatRange(min=0, min_open=True),
+        default=default(ServeSettings, "max_body_mb"),
+        show_default=True,
+        help="The largest request body in MB (larger: 413); 16 MB holds a 128k-token prompt "
+        "several times over.",
+    ),
+    "max_connections": click.option(
+        "--max-connections",
+        type=click.IntRange(min=1),
+        default=default(ServeSettings, "max_connections"),
+        show_default=True,
+        help="Open HTTP connections at once; past it a new one gets 503 with Retry-After.",
+    ),
+    "read_timeout": click.option(
+        "--read-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=default(ServeSettings, "read_timeout"),
+        show_default=True,
+        help="Seconds a request's line, headers and body may take to arrive (then the "
+        "connection is closed): a slow client cannot hold the server.",
+    ),
     "drain_timeout": click.option(
         "--drain-timeout",
         type=click.FloatRange(min=0),

@@ -171,6 +171,12 @@ def chat(prompt_cache_gb, **values):
     "decode_concurrency",
     "prompt_concurrency",
     "prompt_cache_size",
+    "serve_cache_gb",
+    "max_tokens_cap",
+    "max_prompt_tokens",
+    "max_body_mb",
+    "max_connections",
+    "read_timeout",
     "drain_timeout",
     "max_restarts",
     "restart_window_s",
@@ -196,6 +202,12 @@ def serve(**values):
     --restart-wait, then 503 with Retry-After) and the ones rank 0 was answering are decoded
     again, except a stream that already sent text: it ends with an error event and [DONE].
     More than --max-restarts failures within --restart-window: exit 1, each failure named.
+    A request under way at two failures is answered with an error, never replayed again.
+
+    Every field of a request is checked at the door (ranges, sizes, counts; docs/serve.md,
+    "Limits and refusals"): a bad one gets a 400 naming the field and what it allows, and
+    never reaches a rank. A request that fails on the ranks alike (its settings, its
+    template) fails alone, with no restart.
 
     Ctrl-C or SIGTERM drains: new requests get 503, answers under way finish (cut after
     --drain-timeout), then every rank exits (exit 0). A second Ctrl-C stops at once (exit 130).
