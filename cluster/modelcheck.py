@@ -17,6 +17,9 @@ class ModelError(ValueError):
     """A model that cannot be loaded or sharded as asked; the message says why."""
 
 
+MEMORY_FRACTION = 0.85  # of a host's memory a rank lets MLX take (node.memory sets it on Macs)
+
+
 def default_model_path() -> Path:
     """The tiny Llama that ships inside the package (node/default_model)."""
     return Path(__file__).resolve().parent.parent / "node" / "default_model"

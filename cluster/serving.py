@@ -36,9 +36,9 @@ from .hostfile import Host, Hostfile
 from .jobstate import JobState
 from .launcher import Interrupted, LaunchError, log, restore_signals, run_job, trap_signals
 from .metrics import Metrics
-from .modelcheck import ModelError
+from .modelcheck import MEMORY_FRACTION, ModelError, read_config, text_config
 from .protocol import END_OF_INPUT, Counted, Event, Piece, Refused, Serving, Stats, ToolCall
-from .spec import JobSpec, LaunchSettings, to_dict
+from .spec import JobSpec, LaunchSettings, ServeSettings, to_dict
 
 REAP_EVERY_S = 0.25
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # waits for a lost host to answer again
@@ -399,8 +399,10 @@ def without_hosts(hostfile: Hostfile, lost: list[int]) -> Hostfile:
 
 
 def fits(hostfile: Hostfile, spec: JobSpec) -> str | None:
-    """None when the model's weights fit the hosts' memory_gb, else why not (or why that
-    cannot be known here)."""
+    """None when each rank's weights and the KV cache serve needs fit under the cap a rank
+    sets itself (MEMORY_FRACTION of its share of memory_gb), else why not (or why that cannot
+    be known here). The KV counted: one request at the longest prompt serve takes, plus the
+    kept answers' caches when --prompt-cache-gb is given."""
     from .doctor import model_shares
 
     if not hostfile.hosts:
@@ -412,17 +414,36 @@ def fits(hostfile: Hostfile, spec: JobSpec) -> str | None:
         return f"the model {spec.model} is not on this machine to measure"
     try:
         shares = model_shares(spec.model, spec.mode, hostfile, spec.split)
+        kv = kv_bytes(read_config(Path(spec.model).expanduser()), spec.serve)
     except (ModelError, ValueError) as e:
         return str(e)
     hosts = hostfile.rank_hosts()
+    total = sum(shares.values()) or 1
     for rank, share in shares.items():
-        budget = hosts[rank].memory_gb / hosts[rank].slots * 1e9
-        if share > budget:
+        budget = hosts[rank].memory_gb / hosts[rank].slots * 1e9 * MEMORY_FRACTION
+        need = share + kv * share / total  # a rank's KV follows its share of the layers/heads
+        if need > budget:
             return (
                 f"rank {rank} on {hosts[rank].label} would hold {share / 1e9:.1f} GB of "
-                f"weights, over its {budget / 1e9:.1f} GB"
+                f"weights and {(need - share) / 1e9:.1f} GB of KV cache, over its "
+                f"{budget / 1e9:.1f} GB ({MEMORY_FRACTION:.0%} of its memory_gb)"
             )
     return None
+
+
+def kv_bytes(config: dict, serve: ServeSettings) -> float:
+    """The KV cache serve needs across all ranks, from the model's config: one request at
+    the longest prompt it takes (fp16 keys and values of every layer), plus the kept
+    answers' caches when their size is given."""
+    text = text_config(config)
+    layers = text.get("num_hidden_layers") or 0
+    heads = text.get("num_key_value_heads") or text.get("num_attention_heads") or 0
+    dim = text.get("head_dim") or (
+        text.get("hidden_size", 0) // (text.get("num_attention_heads") or 1)
+    )
+    tokens = serve.max_prompt_tokens or text.get("max_position_embeddings") or 0
+    kept = (serve.serve_cache_gb or 0) * 1e9
+    return 2 * layers * heads * dim * 2 * tokens + kept
 
 
 def host_answers(hostfile: Hostfile, host: Host, accept_new: bool) -> bool:
@@ -537,13 +558,21 @@ def next_hosts(
     stderr: IO[str],
 ) -> Hostfile:
     """The hosts of the next job: without the lost ones when the model fits the rest, else
-    all of them once the lost ones answer again (waiting with backoff). A failure with no
-    host lost brings back the hosts left out earlier, if they answer now."""
+    with them once they answer again (waiting with backoff). A host left out earlier comes
+    back only once it answers (a failure with no host lost is a time to look)."""
+
+    def answering(hosts: list[Host]) -> list[Host]:
+        return [h for h in hosts if host_answers(full, h, launch.accept_new_host_keys)]
+
+    def with_hosts(hosts: list[Host]) -> Hostfile:
+        keep = {h.index for h in current.hosts} | {h.index for h in hosts}
+        return dataclasses.replace(full, hosts=[h for h in full.hosts if h.index in keep])
+
     if not error.lost_hosts:
-        out = [h for h in full.hosts if h not in current.hosts]
-        if out and all(host_answers(full, h, launch.accept_new_host_keys) for h in out):
-            log(stderr, f"{', '.join(h.label for h in out)} answers again: back in the job")
-            return full
+        back = answering([h for h in full.hosts if h not in current.hosts])
+        if back:
+            log(stderr, f"{', '.join(h.label for h in back)} answers again: back in the job")
+            return with_hosts(back)
         return current
     lost = [h for h in full.hosts if h.index in error.lost_hosts]
     names = ", ".join(h.label for h in lost)
@@ -554,8 +583,8 @@ def next_hosts(
         return rest
     log(stderr, f"waiting for {names} to answer again (cannot leave it out: {why_not})")
     for i in itertools.count():
-        if all(host_answers(full, h, launch.accept_new_host_keys) for h in lost):
+        if len(answering(lost)) == len(lost):
             log(stderr, f"{names} answers again")
-            return full
+            return with_hosts(lost)
         time.sleep(BACKOFF_S[min(i, len(BACKOFF_S) - 1)])
     raise AssertionError("unreachable")

@@ -8,11 +8,22 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .modelcheck import choose_split, is_vision_model, num_layers
+from .modelcheck import ModelError, choose_split, is_vision_model, num_layers
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # A VLM's language-model layers; the vision tower has "layers" of its own that are not ours.
 VLM_LAYER_RE = re.compile(r"^language_model\.(?:model\.)?layers\.(\d+)\.")
+
+
+def bad_file_name(name: object) -> str | None:
+    """Why a weight file's name from an index may not be read or written (None: it may): a
+    plain relative name inside the model folder (cluster.transfer.inside checks the same on
+    each host, with links resolved)."""
+    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
+        return f"is not a file name ({name!r})"
+    if name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
+        return f"leaves the model folder ({name!r}: absolute, or with . or ..)"
+    return None
 
 
 def pipeline_split(num_layers: int, size: int, split: list[int] | None = None) -> list[int]:
@@ -44,6 +55,10 @@ def weight_files_for_layers(
     if not index_path.exists():
         return sorted(p.name for p in model_dir.glob("model*.safetensors"))
     weight_map = json.loads(index_path.read_text())["weight_map"]
+    for file in set(weight_map.values()):
+        if why := bad_file_name(file):
+            raise ModelError(f"{index_path}: the weight_map names a file that {why}; "
+                             "this checkpoint cannot be used as it is")  # fmt: skip
     files = set()
     for name, file in weight_map.items():
         m = layer_re.search(name)

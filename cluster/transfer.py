@@ -129,6 +129,28 @@ def update_manifest(directory: str, name: str, entry: dict | None) -> None:
         os.close(lock)
 
 
+def bad_file_name(name: object) -> str | None:
+    """The rule of cluster.shards.bad_file_name, again here: this file runs alone on a host
+    (sent as text), so it can import nothing of the package."""
+    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
+        return f"is not a file name ({name!r})"
+    if name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
+        return f"leaves the model folder ({name!r}: absolute, or with . or ..)"
+    return None
+
+
+def inside(directory: str, name: str) -> str:
+    """The path of ``name`` in ``directory``, refused (ValueError) when the name is bad or
+    the path, links resolved, is outside the directory."""
+    if why := bad_file_name(name):
+        raise ValueError(f"a file name that {why}")
+    path = os.path.join(directory, name)
+    root = os.path.realpath(directory)
+    if os.path.commonpath([root, os.path.realpath(path)]) != root:
+        raise ValueError(f"{name!r} leads outside {directory} (through a link)")
+    return path
+
+
 class Receiver:
     def __init__(self, directory: str, index: int):
         self.dir = os.path.expanduser(directory)
@@ -152,11 +174,12 @@ class Receiver:
         """What this directory holds: size and sha256 per file (from the manifest when its size
         and mtime still match, else read again), and how much of each .part there is. A file
         shorter than the source's (an interrupted or truncated copy) becomes the .part."""
+        paths = {name: inside(self.dir, name) for name in sizes}  # all, before any change
         os.makedirs(self.dir, exist_ok=True)
         manifest = read_manifest(self.dir)
         files = {}
         for name, size in sizes.items():
-            path = os.path.join(self.dir, name)
+            path = paths[name]
             try:
                 there = os.path.getsize(path)
             except FileNotFoundError:
@@ -231,26 +254,40 @@ class Receiver:
         sys.exit(1)
 
     def accept(self):
-        """The upstream's connection: the first one that presents the token."""
+        """The upstream's connection: the first one that presents the token. Each connection
+        shows its token on a thread of its own, so a peer that connects and says nothing
+        (or says something else) delays no other."""
         selector = selectors.DefaultSelector()
         for s in self.listeners:
             selector.register(s, selectors.EVENT_READ)
+        admitted: queue.SimpleQueue = queue.SimpleQueue()
+        token = self.token.encode()
+
+        def check(conn) -> None:
+            conn.settimeout(10)
+            stream = conn.makefile("rb", buffering=BLOCK)  # one reader: token, then stream
+            try:
+                line = stream.readline(256).strip()
+            except OSError:
+                line = b""
+            if hmac.compare_digest(line, token):
+                admitted.put((conn, stream))
+            else:
+                conn.close()
+
         deadline = time.monotonic() + ACCEPT_TIMEOUT
         while (left := deadline - time.monotonic()) > 0:
-            for key, _ in selector.select(left):
-                conn, _ = key.fileobj.accept()
-                conn.settimeout(10)
-                stream = conn.makefile("rb", buffering=BLOCK)  # one reader: token, then stream
-                try:
-                    line = stream.readline(256).decode().strip()
-                except (OSError, UnicodeDecodeError):
-                    line = ""
-                if hmac.compare_digest(line, self.token):
-                    conn.settimeout(IO_TIMEOUT)
-                    for s in self.listeners:
-                        s.close()
-                    return stream
-                conn.close()
+            try:
+                conn, stream = admitted.get_nowait()
+            except queue.Empty:
+                for key, _ in selector.select(min(left, 0.1)):
+                    conn, _ = key.fileobj.accept()
+                    threading.Thread(target=check, args=(conn,), daemon=True).start()
+                continue
+            conn.settimeout(IO_TIMEOUT)
+            for s in self.listeners:
+                s.close()
+            return stream
         self.reply(op="error", error="the upstream host never connected")
         sys.exit(1)
 
@@ -308,7 +345,7 @@ class Writer:
     def run(self) -> None:
         try:
             self._run()
-        except OSError as e:
+        except (OSError, ValueError) as e:  # a disk error, or a name that leaves the folder
             self.r.reply(op="error", error=f"{getattr(self, 'name', '')}: {e}")
             os._exit(1)
 
@@ -323,7 +360,7 @@ class Writer:
                 self.last = time.monotonic()
                 f = digest = None
                 if keep:
-                    part = os.path.join(r.dir, entry["name"] + PART)
+                    part = inside(r.dir, entry["name"]) + PART
                     offset = entry["offset"]
                     known = r.prefixes.pop(entry["name"], None)
                     f = open(part, "r+b" if offset else "wb", buffering=0)
@@ -358,7 +395,8 @@ class Writer:
         r, entry = self.r, self.entry
         f.close()
         name = entry["name"]
-        part, final = os.path.join(r.dir, name + PART), os.path.join(r.dir, name)
+        final = inside(r.dir, name)
+        part = final + PART
         if self.received - self.reported:
             r.reply(op="progress", n=self.received - self.reported)
         if digest.hexdigest() != sha:

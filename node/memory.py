@@ -12,7 +12,7 @@ import atexit
 
 import mlx.core as mx
 
-MEMORY_FRACTION = 0.85
+from cluster.modelcheck import MEMORY_FRACTION
 
 
 def metal_limits(device_info: dict) -> int | None:
