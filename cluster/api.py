@@ -223,6 +223,8 @@ def check_count(items: list, most: int, name: str) -> list:
 
 def check_model(body: dict, model_ids: frozenset[str]) -> None:
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(400, "'model' must be a string")
     if model is not None and model not in model_ids:
         served = ", ".join(sorted(model_ids))
         raise RequestError(

@@ -251,7 +251,8 @@ class Handler(BaseHTTPRequestHandler):
                 while size > 0 and (chunk := self.rfile.read(min(size, 1 << 20))):
                     size -= len(chunk)
             raise RequestError(
-                413, f"the body is {text} bytes, over this server's {most} (serve --max-body-mb)"
+                413,
+                f"the body is {text} bytes, over this server's {most} bytes (serve --max-body-mb)",
             )
         data = self.rfile.read(size)
         if len(data) < size:

@@ -57,6 +57,10 @@ def tried(request: dict[str, Any], vocab: int) -> tuple[Callable, list]:
             logits = process(history, logits)
         mx.eval(chosen(logits))
     except Exception as e:
+        # mlx-lm's samplers are compiled with the random state as input and output: one that
+        # raises leaves the state without a value, and every later draw would fail. Every
+        # rank fails here alike, so every rank seeds again alike (the request's shared seed).
+        mx.random.seed(int(request.get("seed") or 0))
         raise RequestFailed(f"{type(e).__name__}: {e}") from None
     return chosen, chain
 

@@ -15,9 +15,9 @@ from cluster.api_openai import ChatCompletions
 from cluster.hostfile import parse_hostfile
 from cluster.jobstate import JobState, RankState
 from cluster.launcher import LaunchError
-from cluster.protocol import Piece, Serving, Stats
+from cluster.protocol import END_OF_INPUT, Piece, Serving, Stats
 from cluster.serving import Restarts, Service, fits, without_hosts
-from cluster.spec import JobSpec, ServeSettings
+from cluster.spec import JobSpec, ServeSettings, to_dict
 
 HOSTS = {"hosts": [{"ssh": "a.local"}, {"ssh": "b.local"}, {"ssh": "c.local"}]}
 
@@ -153,3 +153,77 @@ def test_a_job_that_never_served_is_not_restarted(tmp_path):
     p = invoke("serve", "--model", tmp_path, "--port", 0)  # no config.json there
     assert p.returncode == 2, p.stderr
     assert "config.json" in p.stderr and "restarting" not in p.stderr
+
+
+def test_a_drain_reaches_rank0_after_every_request_sent_before_it():
+    """The race of a drain with a request: one channel, one order (the loop writes both)."""
+    svc, sent = service()
+    start_job(svc, sent)
+    job = request(False)
+    svc.submit(job)
+    svc.draining(tell=True)
+    late = request(False)
+    svc.submit(late)
+    deadline = time.monotonic() + 5
+    while len(sent) < 2 and time.monotonic() < deadline:  # the pump writes on its thread
+        time.sleep(0.01)
+    assert json.loads(sent[0])["request"]["id"] == job.id and sent[1] == END_OF_INPUT
+    assert len(sent) == 2 and drain(late)[0].status == 503
+
+
+def test_a_request_under_way_at_two_failures_is_not_replayed_a_third_time():
+    svc, sent = service()
+    start_job(svc, sent)
+    job = request(False)
+    svc.submit(job)
+    wait_sent(sent, 1)
+    svc.job_ended(LaunchError("error: rank 1 of 2 on b.local exited with code -11"))
+    assert list(svc.pending) == [job]  # replayed once
+    sent.clear()
+    start_job(svc, sent)
+    wait_sent(sent, 1)
+    svc.job_ended(LaunchError("error: rank 1 of 2 on b.local exited with code -11"))
+    (error,) = drain(job)
+    assert error.status == 500 and "failed 2 times while this request was under way" in str(error)
+    assert not svc.pending
+    health = svc.health()
+    assert health["dropped_after_failures"] == [job.id]
+    assert health["last_failure"]["in_flight"] == [job.id]
+    assert f"request {job.id} was under way at 2 failures" in svc.stderr.getvalue()
+
+
+def test_rank0_serves_the_requests_before_end_of_input_in_the_same_read():
+    """The drain mark and the last requests often arrive in one read of the channel."""
+    import os
+
+    from node.serve import Inbox
+
+    read_fd, write_fd = os.pipe()
+    job = request(False)
+    line = json.dumps({"op": "request", "request": to_dict(job.to_rank0())}).encode()
+    os.write(write_fd, line + b"\n" + END_OF_INPUT)
+    os.close(write_fd)
+    inbox = Inbox(os.fdopen(read_fd, "rb"), print)
+    first = inbox.jobs.get(timeout=5)
+    assert first is not None and first.request.id == job.id
+    assert inbox.jobs.get(timeout=5) is None and inbox.draining.is_set()
+
+
+def test_fits_counts_the_ranks_cap_and_the_kv_serve_needs(tmp_path):
+    from tiny import make_model
+
+    model = make_model(tmp_path / "m", "llama", seed=1)
+    size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    hosts = {"hosts": [{"ssh": f"h{i}.local", "memory_gb": size * 1.1 / 1e9} for i in range(2)]}
+    rest = without_hosts(parse_hostfile(hosts), [1])
+    plain = JobSpec(model=str(model), command="serve", serve=ServeSettings(max_prompt_tokens=1))
+    assert "(85% of its memory_gb)" in fits(rest, plain)  # 110% of the weights, 85% usable
+    roomy = {"hosts": [{"ssh": f"h{i}.local", "memory_gb": size * 2 / 1e9} for i in range(2)]}
+    rest = without_hosts(parse_hostfile(roomy), [1])
+    assert fits(rest, plain) is None
+    cached = JobSpec(
+        model=str(model),
+        command="serve",
+        serve=ServeSettings(max_prompt_tokens=1, serve_cache_gb=size / 1e9),
+    )
+    assert "GB of KV cache" in fits(rest, cached)

@@ -4,11 +4,12 @@ loopback), equal files are skipped, partial ones resumed, and ranks then load th
 import hashlib
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import reference, run_cli
+from conftest import ROOT, reference, run_cli
 from sshd import SSHD
 
 from cluster.transfer import MANIFEST
@@ -474,3 +475,48 @@ def test_a_repo_missing_here_is_downloaded_only_the_files_the_ranks_need(models,
         hub.close()
     env["HF_HUB_OFFLINE"] = "1"
     ranks_run_the_repo(hf, models, env)
+
+
+def test_a_crafted_index_is_refused_before_any_byte_is_written(tmp_path):
+    """A repo whose weight_map names ../x or /tmp/x: refused here (cluster.shards), and by a
+    receiver fed such names directly (cluster.transfer), with nothing written anywhere."""
+    import json as json_
+
+    from cluster.modelcheck import ModelError
+    from cluster.shards import bad_file_name, weight_files_for_layers
+    from cluster.transfer import bad_file_name as receivers_rule
+    from cluster.transfer import header
+
+    for evil in ("../x.safetensors", "/tmp/x.safetensors", "a/../../x", "a\\..\\x", ""):
+        model = tmp_path / "crafted"
+        model.mkdir(exist_ok=True)
+        index = {"weight_map": {"model.layers.0.w": "model.safetensors", "lm_head.w": evil}}
+        (model / "model.safetensors.index.json").write_text(json_.dumps(index))
+        with pytest.raises(ModelError, match="names a file that"):
+            weight_files_for_layers(model, 0, 1)
+    names = ["ok.safetensors", "sub/ok", "../x", "/x", "a//b", "./a", "a\0b", "..", "a/..", 3]
+    assert [bad_file_name(n) for n in names] == [receivers_rule(n) for n in names]
+    assert [bad_file_name(n) is None for n in names] == [True, True] + [False] * 8
+
+    dest = tmp_path / "dest" / "model"
+    dest.mkdir(parents=True)
+    (tmp_path / "dest" / "link").symlink_to(tmp_path)  # a link out of the folder
+    (dest / "out").symlink_to(tmp_path)
+    receiver = [sys.executable, str(ROOT / "cluster" / "transfer.py"), "receive", str(dest), "0"]
+    for evil in ("../escaped", "/tmp/escaped-by-sync", "out/escaped"):
+        state = json_.dumps({"op": "state", "sizes": {evil: 5}}).encode() + b"\n"
+        p = subprocess.run(receiver, input=state, capture_output=True, timeout=30)
+        assert p.returncode == 1 and (b"leaves" in p.stdout or b"leads outside" in p.stdout), p
+        stream = (
+            b'{"op": "receive", "from": "stdin"}\n'
+            + header(evil, 0, 5, 0, [0])
+            + b"hello"
+            + json_.dumps({"sha256": "0" * 64}).encode()
+            + b"\n"
+            + b'{"end": true}\n'
+        )
+        p = subprocess.run(receiver, input=stream, capture_output=True, timeout=30)
+        assert p.returncode == 1 and b'"op": "error"' in p.stdout, p
+    assert not list(tmp_path.glob("escaped*")) and not list(tmp_path.rglob("escaped*"))
+    assert not Path("/tmp/escaped-by-sync").exists()
+    assert [x.name for x in dest.iterdir()] == ["out"]

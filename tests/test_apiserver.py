@@ -1,0 +1,153 @@
+"""serve's HTTP server against hostile clients, with a stand-in service and no rank: bad
+lengths, big bodies, slow clients, too many connections, odd keys, clients that leave."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from cluster.api import END, Door
+from cluster.apiserver import Api
+from cluster.metrics import Metrics
+from cluster.protocol import Piece
+
+BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+
+
+class StandIn:
+    """The part of cluster.serving.Service the server calls; answers "ok" at once unless
+    told to hold requests."""
+
+    def __init__(self, hold: bool = False):
+        self.model_id = "m"
+        self.door = Door(frozenset({"m"}))
+        self.metrics = Metrics(lambda: [])
+        self.hold = hold
+        self.submitted, self.cancelled = [], threading.Event()
+
+    def submit(self, job) -> None:
+        self.submitted.append(job)
+        if not self.hold:
+            job.result = {"finish_reason": "stop", "usage": {"prompt_tokens": 1,
+                          "completion_tokens": 1, "total_tokens": 2}}  # fmt: skip
+            job.chunks.put(Piece(job.id, "ok"))
+            job.chunks.put(END)
+
+    def cancel(self, job) -> None:
+        self.cancelled.set()
+
+    def health(self) -> dict:
+        return {"status": "ok"}
+
+
+@pytest.fixture
+def api(request):
+    options = getattr(request, "param", {})
+    service = StandIn(hold=options.pop("hold", False))
+    server = Api("127.0.0.1", 0, options.pop("key", None), service, **options)
+    server.start()
+    server.service = service
+    yield server
+    server.stop()
+
+
+def post(api, body: bytes, headers: dict | None = None, path="/v1/chat/completions"):
+    conn = http.client.HTTPConnection(*api.address, timeout=10)
+    conn.putrequest("POST", path)
+    for name, value in {"Content-Type": "application/json", **(headers or {})}.items():
+        conn.putheader(name, value)
+    if "Content-Length" not in (headers or {}):
+        conn.putheader("Content-Length", str(len(body)))
+    conn.endheaders(body)
+    response = conn.getresponse()
+    return response.status, json.loads(response.read() or b"null")
+
+
+def test_a_plain_request_is_answered(api):
+    status, body = post(api, BODY)
+    assert status == 200 and body["choices"][0]["message"]["content"] == "ok"
+
+
+def test_bad_lengths_and_big_bodies_are_refused_without_a_thread_held(api):
+    for length, status, says in [
+        ("-5", 400, "bad Content-Length '-5'"),
+        ("12abc", 400, "bad Content-Length"),
+        (str(1 << 40), 413, "over this server's 16777216 bytes (serve --max-body-mb)"),
+    ]:
+        got, body = post(api, b"", {"Content-Length": length})
+        assert got == status and says in body["error"]["message"], (length, body)
+    got, body = post(api, b" " * (17 << 20))  # sent whole: read, then refused
+    assert got == 413 and "is 17825792 bytes" in body["error"]["message"]
+    got, body = post(api, b"", {"Transfer-Encoding": "chunked"})
+    assert got == 411
+    got, body = post(api, b'{"messages": [', {})
+    assert got == 400 and "not valid JSON" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("api", [{"read_timeout": 1.0}], indirect=True)
+def test_a_slow_client_is_cut_off_at_the_read_deadline(api):
+    """Slowloris: headers a byte at a time, and a body that never comes."""
+    route = b"POST /v1/chat/completions HTTP/1.1\r\n"
+    for start in (route + b"Host: x\r\n", route + b"Content-Length: 100\r\n\r\n{"):
+        with socket.create_connection(api.address, timeout=10) as s:
+            s.sendall(start)
+            began = time.monotonic()
+            try:
+                while True:  # trickle a byte every 0.2 s: each recv would keep a plain timeout
+                    s.sendall(b"X")
+                    time.sleep(0.2)
+                    if time.monotonic() - began > 8:
+                        raise AssertionError("the server kept a slow client past its deadline")
+            except OSError:
+                pass  # the server closed the connection
+    status, _ = post(api, BODY)
+    assert status == 200  # and the server still answers
+
+
+@pytest.mark.parametrize("api", [{"max_connections": 2, "read_timeout": 5.0}], indirect=True)
+def test_connections_past_the_bound_get_503_at_once(api):
+    idle = [socket.create_connection(api.address) for _ in range(2)]
+    try:
+        time.sleep(0.2)  # both accepted: each holds a thread
+        with socket.create_connection(api.address, timeout=5) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer
+    finally:
+        for s in idle:
+            s.close()
+
+
+@pytest.mark.parametrize("api", [{"key": "sekret"}], indirect=True)
+def test_the_key_is_checked_as_bytes_before_the_body(api):
+    status, body = post(api, BODY, {"Authorization": "Bearer s\u00e9kret"})
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+    with socket.create_connection(api.address, timeout=5) as s:  # a non-Latin-1 byte string
+        s.sendall(b"GET /health HTTP/1.1\r\nx-api-key: \xff\xfe\x80\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 401")
+    with socket.create_connection(api.address, timeout=5) as s:  # announces 10 MB, sends none
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 10000000\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 401")  # refused without waiting for it
+    assert post(api, BODY, {"x-api-key": "sekret"})[0] == 200
+    assert post(api, BODY, {"Authorization": "Bearer sekret"})[0] == 200
+    assert not [j for j in api.service.submitted if j.body.get("max_tokens") != 2]
+
+
+@pytest.mark.parametrize("api", [{"hold": True}], indirect=True)
+def test_a_client_that_leaves_while_its_request_waits_cancels_it(api):
+    with socket.create_connection(api.address, timeout=5) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(BODY)}\r\n\r\n".encode()
+            + BODY
+        )
+        deadline = time.monotonic() + 5
+        while not api.service.submitted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert api.service.submitted
+    assert api.service.cancelled.wait(5), "the server did not notice the client left"

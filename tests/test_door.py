@@ -1,0 +1,208 @@
+"""What a request may ask of serve, checked at the door (cluster.api: RANGES, loads, the
+dialects' parse), and rank 0's checks once it has the tokens (node.serve.Admission); no rank.
+
+A property-based fuzzer sends any JSON body to every dialect: the answer is a 4xx naming
+what is wrong, or a request that travels to rank 0, never an exception."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.api import RANGES, Door, RequestError, loads
+from cluster.api_anthropic import CountTokens, Messages
+from cluster.api_openai import ChatCompletions, Completions
+from cluster.api_responses import Responses
+from cluster.spec import Sampling, ServeRequest, to_dict
+
+DOOR = Door(frozenset({"m"}), max_tokens_cap=1000)
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+BODIES = {  # the smallest valid body of each dialect
+    ChatCompletions: CHAT,
+    Completions: {"prompt": "hi"},
+    Responses: {"input": "hi"},
+    Messages: {**CHAT, "max_tokens": 4},
+    CountTokens: CHAT,
+}
+FIELDS = {  # each dialect's names for our settings
+    ChatCompletions: {
+        "temperature": "temp",
+        "top_p": "top_p",
+        "top_k": "top_k",
+        "min_p": "min_p",
+        "seed": "seed",
+        "presence_penalty": "presence_penalty",
+        "frequency_penalty": "frequency_penalty",
+        "repetition_penalty": "repetition_penalty",
+    },  # fmt: skip
+    Responses: {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "seed": "seed"},
+    Messages: {"temperature": "temp", "top_p": "top_p", "top_k": "top_k"},
+}
+
+
+def parse(endpoint, **fields) -> ServeRequest:
+    return endpoint().parse({**BODIES[endpoint], **fields}, DOOR)
+
+
+def refusal(endpoint, **fields) -> RequestError:
+    with pytest.raises(RequestError) as e:
+        parse(endpoint, **fields)
+    assert 400 <= e.value.status < 500
+    return e.value
+
+
+def test_the_requests_that_took_serve_down_have_a_meaning():
+    seeded = parse(ChatCompletions, seed=-1, temperature=0.5)
+    assert seeded.sampling.seed is None and not seeded.seeded  # -1: a random seed, batched
+    assert parse(ChatCompletions, seed=7).seeded
+    big_k = parse(ChatCompletions, temperature=0.7, top_k=100000)
+    assert big_k.sampling.top_k == 100000  # rank 0 turns k >= vocabulary into "off"
+    assert parse(Responses, top_k=-1).sampling.top_k == 0  # vLLM's "off"
+
+
+@pytest.mark.parametrize("endpoint", list(FIELDS))
+def test_every_setting_out_of_its_range_is_a_400_naming_field_and_range(endpoint):
+    bad = {  # a value just outside, and one of the wrong type
+        "temp": [-0.1, 100.5, "hot"],
+        "top_p": [-0.01, 1.01, True],
+        "top_k": [-2, 2**31, 1.5],
+        "min_p": [-0.1, 1.5, None and 0],
+        "seed": [-2, 2**63, 1.0],
+        "presence_penalty": [-2.5, 2.5],
+        "frequency_penalty": [-2.5, 2.5],
+        "repetition_penalty": [0, 10.5, -1],
+    }
+    for name, ours in FIELDS[endpoint].items():
+        for value in bad[ours]:
+            if value is None:
+                continue
+            e = refusal(endpoint, **{name: value})
+            assert f"'{name}' must be {RANGES[ours].describe()}" in str(e), (name, value)
+        low = RANGES[ours].low + (0.5 if RANGES[ours].low_open else 0)
+        parse(endpoint, **{name: low if not RANGES[ours].integer else int(low)})
+
+
+def test_other_fields_are_bounded_too():
+    assert "at most 1000 (serve --max-tokens-cap)" in str(refusal(ChatCompletions, max_tokens=1001))
+    assert "max_output_tokens" in str(refusal(Responses, max_output_tokens=0))
+    assert parse(Messages, max_tokens=1000).sampling.max_tokens == 1000
+    assert parse(Completions).sampling.max_tokens == 512  # the default, under the cap
+    assert "'stop' has 17 items; at most 16" in str(refusal(ChatCompletions, stop=["x"] * 17))
+    assert "at most 1000 characters" in str(refusal(Messages, stop_sequences=["x" * 1001]))
+    assert "'messages' has 10001 items" in str(
+        refusal(ChatCompletions, messages=[{"role": "user", "content": "x"}] * 10_001)
+    )
+    assert "not a token id" in str(refusal(ChatCompletions, logit_bias={"-1": 1}))
+    assert "from -100 to 100" in str(refusal(Completions, logit_bias={"5": 101}))
+    assert parse(ChatCompletions, logit_bias={"05": -100}).sampling.logit_bias == {"5": -100.0}
+    assert "between 0 and 20" in str(refusal(ChatCompletions, logprobs=True, top_logprobs=21))
+
+
+def test_json_that_python_takes_but_json_does_not_is_refused():
+    for data, says in [
+        (b'{"temperature": NaN}', "NaN is not a JSON number"),
+        (b'{"temperature": Infinity}', "Infinity is not a JSON number"),
+        (b"[" * 100 + b"]" * 100, "nested deeper than 64"),
+        (b"[" * 100_000, "nested deeper than 64"),
+        (b'{"a": "\xff\xfe"}', "not valid JSON"),
+        (b"9" * 5000, "not valid JSON"),
+    ]:
+        with pytest.raises(RequestError, match=says):
+            loads(data)
+    assert loads(b"") is None and loads(b'{"a": [1, 2.5]}') == {"a": [1, 2.5]}
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),  # fmt: skip
+    max_leaves=20,
+)
+field_names = st.sampled_from(
+    ["messages", "prompt", "input", "model", "max_tokens", "max_output_tokens", "stop",
+     "stop_sequences", "temperature", "top_p", "top_k", "seed", "min_p", "tools",
+     "tool_choice", "logprobs", "top_logprobs", "n", "stream", "system", "instructions",
+     "logit_bias", "response_format", "reasoning", "thinking", "chat_template_kwargs",
+     "repetition_penalty", "presence_penalty", "max_completion_tokens", "include"]
+)  # fmt: skip
+messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system", "tool", "developer", 3]),
+            "content": json_values,
+        },  # fmt: skip
+        optional={"tool_calls": json_values, "name": json_values, "type": json_values},
+    ),
+    max_size=3,
+)
+bodies = st.one_of(
+    json_values,
+    st.dictionaries(field_names, json_values, max_size=6),
+    st.builds(
+        lambda m, extra: {
+            "messages": m,
+            "input": m,
+            "prompt": "x",
+            "max_tokens": 3,
+            **extra,
+        },  # fmt: skip
+        messages,
+        st.dictionaries(field_names, json_values, max_size=4),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=bodies)
+def test_any_json_body_is_a_4xx_or_a_request_that_travels(body):
+    for endpoint in (ChatCompletions, Completions, Responses, Messages, CountTokens):
+        try:
+            request = endpoint().parse(json.loads(json.dumps(body)), DOOR)
+        except RequestError as e:
+            assert 400 <= e.status < 500 and str(e)
+            continue
+        assert isinstance(request, ServeRequest)
+        json.dumps(to_dict(request))  # what goes to rank 0 is plain JSON
+        s = request.sampling
+        assert 1 <= s.max_tokens <= DOOR.max_tokens_cap
+        for name, allowed in RANGES.items():
+            value = getattr(s, name)
+            assert value is None or allowed.admits(value), (name, value)
+
+
+# rank 0, once it has the tokens
+
+
+def test_rank0_bounds_the_prompt_and_the_answer_by_the_context():
+    from node.serve import Admission, Refusal
+
+    admit = Admission(vocab=100, context=50, max_prompt_tokens=None)
+    shared = admit.request(list(range(40)), Sampling(max_tokens=30, top_k=100))
+    assert shared["max_tokens"] == 10 and shared["top_k"] == 0  # what the context leaves; off
+    with pytest.raises(Refusal, match="the prompt is 51 tokens, over the model's context"):
+        admit.request(list(range(51)), Sampling())
+    with pytest.raises(Refusal, match="fills the model's context"):
+        admit.request(list(range(50)), Sampling())
+    with pytest.raises(Refusal, match="token id 100 is outside the vocabulary"):
+        admit.request([1], Sampling(logit_bias={"100": 1.0}))
+    capped = Admission(vocab=100, context=None, max_prompt_tokens=5)
+    with pytest.raises(Refusal, match="over this server's --max-prompt-tokens"):
+        capped.request(list(range(6)), Sampling())
+    assert capped.request([1], Sampling(max_tokens=7))["max_tokens"] == 7
+
+
+def test_settings_that_would_fail_mid_batch_fail_before_the_request_joins():
+    from node.sampling import RequestFailed, tried
+
+    def request(**s):
+        return {"tokens": [1, 2, 3], **to_dict(Sampling(seed=1, **s))}
+
+    with pytest.raises(RequestFailed, match="top_k"):
+        tried(request(temp=0.7, top_k=5000), 2048)  # mlx-lm's apply_top_k raises in a step
+    # the failure left the random state usable (mlx-lm's compiled samplers share it)
+    chosen, chain = tried(request(temp=0.7, top_k=40, logit_bias={"3": 5.0}), 2048)
+    assert len(chain) == 1 and callable(chosen)
