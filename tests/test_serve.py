@@ -8,6 +8,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -71,7 +72,7 @@ def server(tmp_path_factory):
     from tiny import make_model
 
     model = make_model(tmp_path_factory.mktemp("serve") / "m", "qwen2", seed=2, chat_template=True)
-    served = Served(model)
+    served = Served(model, "--max-prompt-tokens", "2000", "--read-timeout", "3")
     served.model = model
     yield served
     served.stop()
@@ -164,7 +165,7 @@ def test_bad_requests_get_openai_errors_and_the_ranks_go_on(server):
         json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": "7"}).encode(),
     )
     assert status == 400 and "'max_tokens'" in body["error"]["message"]
-    status, body = server.post("/v1/chat/completions", b"x" * (5 * 1024 * 1024))
+    status, body = server.post("/v1/chat/completions", b"x" * (17 * 1024 * 1024))  # > 16 MB
     assert status == 413
     with pytest.raises(openai.NotFoundError):
         server.client.chat.completions.create(
@@ -206,6 +207,116 @@ def test_two_hundred_mixed_requests_and_no_rank_restarts(server):
         rank_pids()
     )  # the ranks that started are the ones still serving
     assert ask(server.client, max_tokens=4).choices[0].message.content == reference
+
+
+def hostile_requests(rng) -> list[tuple[str, bytes, dict]]:
+    """(path, body, headers): the requests that once took serve down, malformed and
+    hostile bodies, and odd but valid settings."""
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3}
+    out = []
+
+    def add(body, path="/v1/chat/completions", **headers):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        out.append((path, data, headers))
+
+    for extra in [
+        {"seed": -1, "temperature": 0.5}, {"temperature": 0.7, "top_k": 100000},
+        {"top_k": -1, "temperature": 1}, {"top_k": 0}, {"top_p": 0}, {"top_p": 1e-9},
+        {"temperature": 100}, {"min_p": 1}, {"repetition_penalty": 10},
+        {"presence_penalty": -2, "frequency_penalty": 2}, {"logit_bias": {"3": 100}},
+        {"logit_bias": {"511": -100}}, {"stop": ["x"] * 16}, {"stop": ""},
+        {"seed": 2**63 - 1, "temperature": 1}, {"max_tokens": 1}, {"logprobs": True,
+        "top_logprobs": 20},  # fmt: skip
+        {"seed": -2}, {"temperature": -1}, {"top_k": 10**30}, {"max_tokens": 10**9},
+        {"logit_bias": {"512": 1}}, {"logit_bias": {"x": 1}}, {"stop": ["x"] * 17},
+        {"messages": [{"role": "user", "content": "lists " * 2500}]},  # over 2000 tokens
+        {"messages": []}, {"messages": [{"role": "user", "content": {"a": 1}}]}, {"n": 2},
+        {"model": []}, {"model": "other"}, {"tools": "x"}, {"response_format": {"type": "x"}},
+    ]:  # fmt: skip
+        add({**chat, **extra})
+    for data in [b"{not json", b'{"temperature": NaN}', b"[" * 50_000, b'{"a": "\xff\xfe"}',
+                 b"\xff" * 100, b"9" * 5000, b"", b"null", b'"x"', b"[]"]:  # fmt: skip
+        add(data)
+    add({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "/v1/messages")
+    add({"max_tokens": 3, "messages": [{"role": "assistant", "content": [{"type": "image"}]}]},
+        "/v1/messages")  # fmt: skip
+    add({"input": [{"type": "computer_call"}]}, "/v1/responses")
+    add({"prompt": ["a", "b"]}, "/v1/completions")
+    add(chat, "/v1/nothing")
+    add(b"", "/v1/chat/completions", **{"Content-Length": "-1"})
+    add(b"", "/v1/chat/completions", **{"Content-Length": str(100 << 20)})
+    words = ["messages", "prompt", "input", "max_tokens", "temperature", "top_k", "stop",
+             "seed", "tools", "stream", "role", "content", "logit_bias", "top_p"]  # fmt: skip
+    leaves = [None, True, -1, 0, 1, 2**40, -0.5, 1e308, "", "x", [], {}]
+    for _ in range(250):  # random bodies built of the fields serve reads
+
+        def value(depth=0):
+            if depth > 2 or rng.random() < 0.5:
+                return rng.choice(leaves)
+            if rng.random() < 0.5:
+                return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+            return {rng.choice(words): value(depth + 1) for _ in range(rng.randint(0, 3))}
+
+        body = {rng.choice(words): value() for _ in range(rng.randint(0, 5))}
+        if rng.random() < 0.5:
+            body = {**chat, **body, "max_tokens": 3}
+        path = rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/responses",
+                           "/v1/messages", "/v1/messages/count_tokens"])  # fmt: skip
+        add(body, path)
+    return out
+
+
+@pytest.mark.e2e
+def test_hostile_requests_take_nothing_down(server):
+    """A few hundred malformed, hostile and odd-but-valid requests, with a slowloris client
+    beside them: each gets an answer or a 4xx; serve stays up with 0 restarts, /health is
+    ok, and a greedy request still returns single-process mlx-lm's text."""
+    import random
+    from collections import Counter
+
+    requests = hostile_requests(random.Random(0))
+
+    def slowloris():
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 99\r\n\r\n{")
+            try:
+                for _ in range(100):  # a byte every 0.1 s: cut at the 3 s read deadline
+                    s.sendall(b" ")
+                    time.sleep(0.1)
+            except OSError:
+                return True
+        return False
+
+    def one(item):
+        path, data, headers = item
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        try:
+            conn.putrequest("POST", path)
+            conn.putheader("Content-Type", "application/json")
+            conn.putheader("Content-Length", headers.get("Content-Length", str(len(data))))
+            conn.endheaders(data)
+            response = conn.getresponse()
+            response.read()
+            return response.status
+        except (ConnectionError, http.client.HTTPException):
+            return "closed"  # a body refused without being read
+        finally:
+            conn.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        cut = pool.submit(slowloris)
+        statuses = list(pool.map(one, requests))
+        assert cut.result(), "the slow client was not cut off"
+    counts = Counter(statuses)
+    print(
+        f"\n{len(requests)} hostile requests, by outcome: {dict(sorted(counts.items(), key=str))}"
+    )
+    assert not [s for s in statuses if s not in (200, 400, 404, 413, "closed")], counts
+    assert counts[200] > 20 and counts[400] > 100
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health").read())
+    assert health["status"] == "ok" and health["restarts"] == 0, health
+    assert server.proc.poll() is None and server.pids <= set(rank_pids())
+    assert ask(server.client).choices[0].message.content == chat_reference(server.model, 16)
 
 
 def conversation_reference(model_dir, messages, max_tokens: int) -> str:
