@@ -17,7 +17,7 @@ from cluster.jobstate import JobState, RankState
 from cluster.launcher import LaunchError
 from cluster.protocol import END_OF_INPUT, Piece, Serving, Stats
 from cluster.serving import Restarts, Service, fits, without_hosts
-from cluster.spec import JobSpec, ServeSettings, to_dict
+from cluster.spec import JobSpec, Sampling, ServeSettings, to_dict
 
 HOSTS = {"hosts": [{"ssh": "a.local"}, {"ssh": "b.local"}, {"ssh": "c.local"}]}
 
@@ -227,3 +227,32 @@ def test_fits_counts_the_ranks_cap_and_the_kv_serve_needs(tmp_path):
         serve=ServeSettings(max_prompt_tokens=1, serve_cache_gb=size / 1e9),
     )
     assert "GB of KV cache" in fits(rest, cached)
+
+
+def test_kept_caches_stay_within_their_bytes(tmp_path):
+    """node.batch.Lockstep on one rank: a finished answer's cache is kept, and the least
+    recently used go once the kept bytes pass the budget (ranks agree through an all_sum,
+    here a group of one)."""
+    from mlx_lm import load
+    from tiny import make_model
+
+    from node.batch import Lockstep
+    from node.sampling import settings
+
+    model, tokenizer = load(str(make_model(tmp_path / "m", "llama", seed=1)))
+
+    def answer_three(cache_bytes: float) -> Lockstep:
+        batch = Lockstep(model, tokenizer, 4, 4, 10, cache_bytes)
+        for prompt in ([5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]):
+            request = {"tokens": prompt, **settings(Sampling(max_tokens=3, seed=1))}
+            batch.apply({"insert": [request]})
+            while batch.live:
+                batch.round(None)
+        batch.close()
+        return batch
+
+    roomy = answer_three(float("inf"))
+    assert len(roomy.prompt_cache) == 3
+    one = roomy.prompt_cache.nbytes / 3  # each answer's cache (the KV steps make them alike)
+    tight = answer_three(one * 1.5)
+    assert len(tight.prompt_cache) == 1 and tight.prompt_cache.nbytes <= one * 1.5
