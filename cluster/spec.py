@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -204,24 +205,32 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     keys are an error (a launcher and a rank of different versions)."""
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
+    decoders = _decoders(cls)
+    unknown = sorted(set(data) - decoders.keys())
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)}")
-    return cls(**{name: _value(hints[name], value) for name, value in data.items()})
+    return cls(**{name: _value(decoders[name], value) for name, value in data.items()})
 
 
-def _value(hint: Any, value: Any) -> Any:
-    if value is None:
-        return None
-    options = typing.get_args(hint) if _is_union(hint) else (hint,)
-    for option in options:
-        if dataclasses.is_dataclass(option):
-            return from_dict(option, value)
-        if option is bytes:
-            return base64.b64decode(value)
-    return value
+@functools.cache
+def _decoders(cls: type) -> dict[str, Any]:
+    """Per field of ``cls``: the dataclass, ``bytes`` or None (a plain JSON value) its value
+    is decoded as. Resolved once per class: the launcher decodes an event per token."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        options = typing.get_args(hint) if _is_union(hint) else (hint,)
+        out[f.name] = next((o for o in options if dataclasses.is_dataclass(o) or o is bytes), None)
+    return out
+
+
+def _value(decoder: Any, value: Any) -> Any:
+    if value is None or decoder is None:
+        return value
+    if decoder is bytes:
+        return base64.b64decode(value)
+    return from_dict(decoder, value)
 
 
 def _is_union(hint: Any) -> bool:
