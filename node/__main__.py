@@ -104,12 +104,16 @@ def run(spec: JobSpec) -> None:
         make = (lambda: make_job_request(loaded, spec.request, command)) if rank == 0 else None
         request = share_from_rank0(make, group, "prepare the request")
         write = write_text if rank == 0 else None
-        if command == "logits":
+        if command == "logits":  # the prompt's logits, then the text, in one JSON line
             emit(Phase("generating", prompt_tokens=len(request["tokens"])))
             logits = prompt_logits(loaded.model, request["tokens"])
+            pieces: list[str] = []
+            generate(loaded.model, loaded.tokenizer, request, pieces.append if write else None,
+                     group)  # fmt: skip
             if write:
                 n = len(request["tokens"])
-                write(json.dumps({"prompt_tokens": n, "logits": logits}) + "\n")
+                write(json.dumps({"prompt_tokens": n, "logits": logits, "text": "".join(pieces)}))
+                write("\n")
         elif loaded.processor is not None:
             emit(Phase("generating"))
             stats = generate_vlm(loaded.model, loaded.processor, request, write, group)

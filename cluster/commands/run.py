@@ -83,8 +83,8 @@ def hosts_and_launch(values: dict):
 @click.option(
     "--logits",
     is_flag=True,
-    help="Instead of generating, print the next-token logits after the prompt as one JSON "
-    "line (text models): to compare a sharded run with a single-process one.",
+    help="Print one JSON line instead of the text: the next-token logits after the prompt and "
+    "the text generated (text models), to compare a sharded run with a single-process one.",
 )
 def launch(prompt, logits, as_json, **values):
     """Generate a reply to PROMPT on every rank in lockstep; rank 0's text goes to stdout.
