@@ -64,6 +64,7 @@ class Inbox:
         self.jobs: queue.Queue[Job | None] = queue.Queue()  # prepared; None wakes the loop
         self.known: dict[str, Job] = {}  # not yet ended, by id
         self.draining = threading.Event()
+        self.prepared_all = threading.Event()  # every request before the drain is in ``jobs``
         self.log = log
         self.prepare = prepare or (lambda job: job)  # a Job -> the Job ready to schedule, or None
         self.lines: queue.Queue[Job | None] = queue.Queue()  # to prepare; None: drain
@@ -132,6 +133,7 @@ class Inbox:
                 self.ended(job)
             else:
                 self.jobs.put(ready)
+        self.prepared_all.set()
         self.jobs.put(None)
 
     def ended(self, job: Job) -> None:
@@ -284,7 +286,7 @@ class Scheduler:
         means go on as before. Blocks while there is nothing to do."""
         inbox = self.inbox
         if not live and not self.waiting:
-            if inbox.draining.is_set() and inbox.jobs.empty():
+            if inbox.prepared_all.is_set() and inbox.jobs.empty():
                 return {"quit": True}
             try:
                 self.take(inbox.jobs.get(timeout=PING_S))
