@@ -68,6 +68,7 @@ class Inbox:
         self.log = log
         self.prepare = prepare or (lambda job: job)  # a Job -> the Job ready to schedule, or None
         self.lines: queue.Queue[Job | None] = queue.Queue()  # to prepare; None: drain
+        self.stream = stream  # held: its descriptor must stay ours while the reader reads it
         fd = stream.fileno()
         threading.Thread(target=self.read, args=(fd,), daemon=True, name="inbox").start()
         threading.Thread(target=self.prepare_all, daemon=True, name="prepare").start()

@@ -203,11 +203,12 @@ def test_rank0_serves_the_requests_before_end_of_input_in_the_same_read():
     line = json.dumps({"op": "request", "request": to_dict(job.to_rank0())}).encode()
     os.write(write_fd, line + b"\n" + END_OF_INPUT)
     os.close(write_fd)
-    inbox = Inbox(os.fdopen(read_fd, "rb"), print)
-    first = inbox.jobs.get(timeout=5)
-    assert first is not None and first.request.id == job.id
-    assert inbox.jobs.get(timeout=5) is None and inbox.draining.is_set()
-    assert inbox.prepared_all.is_set()  # only now may rank 0 quit
+    with os.fdopen(read_fd, "rb") as channel:
+        inbox = Inbox(channel, print)
+        first = inbox.jobs.get(timeout=5)
+        assert first is not None and first.request.id == job.id
+        assert inbox.jobs.get(timeout=5) is None and inbox.draining.is_set()
+        assert inbox.prepared_all.is_set()  # only now may rank 0 quit
 
 
 def test_fits_counts_the_ranks_cap_and_the_kv_serve_needs(tmp_path):
