@@ -2,7 +2,7 @@
 watch`` (``node.watchdog``; the rank starts it).
 
 stdout carries only generated text (rank 0); stderr carries logs and one-line JSON events for
-the launcher (``cluster.protocol``); stdin is the launcher's channel (``node.watchdog``). Exit
+the launcher (``cluster.core.protocol``); stdin is the launcher's channel (``node.watchdog``). Exit
 codes: 0 done, 1 this rank failed, 3 this rank stopped because rank 0 failed; killed (SIGKILL)
 by its watcher when the launcher was lost.
 """
@@ -17,10 +17,10 @@ import threading
 import time
 import traceback
 
-from cluster.blas import blas_env
-from cluster.modelcheck import ModelError, check_request
-from cluster.protocol import Error, Event, Memory, Phase, Ready, Stats, encode_event
-from cluster.spec import JobSpec, Request
+from cluster.core.blas import blas_env
+from cluster.core.modelcheck import ModelError, check_request
+from cluster.core.protocol import Error, Event, Memory, Phase, Ready, Stats, encode_event
+from cluster.core.spec import JobSpec, Request
 
 EXIT_FAILED = 1
 EXIT_PEER_FAILED = 3
@@ -155,7 +155,7 @@ def make_job_request(loaded, r: Request, command: str) -> dict:
 
 
 def reexec_with_blas(spec: JobSpec, argv: list[str]) -> None:
-    """On Linux, start this rank again with the host's OpenBLAS preloaded (cluster.blas); the
+    """On Linux, start this rank again with the host's OpenBLAS preloaded (cluster.core.blas); the
     process keeps its PID, pipes and arguments. Returns when nothing changes."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     extra = blas_env(spec.blas, spec.ranks_on_host, dict(os.environ), sys.platform, cores)

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Iterator
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from cluster.protocol import BenchComm, BenchRun, FirstToken, Phase
-from cluster.spec import BenchSettings, Sampling
+from cluster.core.protocol import BenchComm, BenchRun, FirstToken, Phase
+from cluster.core.spec import BenchSettings, Sampling
 
 from .generate import AnswerText, draft_counts, stream, token_stream
 from .sampling import settings

@@ -18,8 +18,8 @@ from typing import IO
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from cluster.protocol import CANCEL, END_OF_INPUT, AwaitingInput, Notice, Phase, Stats
-from cluster.spec import JobSpec, Template
+from cluster.core.protocol import CANCEL, END_OF_INPUT, AwaitingInput, Notice, Phase, Stats
+from cluster.core.spec import JobSpec, Template
 
 from .stage import SkippedCache
 

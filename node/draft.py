@@ -18,8 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from cluster.modelcheck import ModelError
-from cluster.spec import Draft
+from cluster.core.modelcheck import ModelError
+from cluster.core.spec import Draft
 
 NO_MATCH = -1
 

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream, stream_generate
 
-from cluster.spec import Request, Template
+from cluster.core.spec import Request, Template
 
 from .reasoning import THINK_OPEN, Rewrite, held_back, normalizer, opens_in_thought
 from .sampling import processors, sampler, sampling_of, settings
@@ -55,7 +55,7 @@ def make_request(tokenizer, r: Request) -> dict:
 
 
 @dataclass
-class Answer:
+class Generated:
     text: str  # what rank 0 showed (rank 0 only)
     tokens: list[int]  # every token generated, the stop string's too
     stats: dict[str, Any]
@@ -74,7 +74,7 @@ def generate(
     cancellable: bool = False,
     on_response: Callable[[Any], None] | None = None,
     speculation=None,
-) -> Answer:
+) -> Generated:
     """Decode ``request`` (identical on every rank); ``write`` gets text segments on rank 0.
 
     With ``prompt_cache`` (holding the start of the prompt), only ``feed`` is prefilled.
@@ -251,7 +251,7 @@ def stream(
     gen_stream=None,
     cancellable: bool = False,
     on_response: Callable[[Any], None] | None = None,
-) -> Answer:
+) -> Generated:
     """Hand each response's text to ``write`` (rank 0) and return the answer.
 
     Rank 0 alone sees the text and the user, so it alone decides to stop (a stop string, or
@@ -312,7 +312,7 @@ def stream(
         (first - start) if first else None,
         stop_sequence=text.stop.hit,
     )
-    return Answer(text.text, tokens, stats, drafted)
+    return Generated(text.text, tokens, stats, drafted)
 
 
 def answer_stats(

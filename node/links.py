@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from cluster.protocol import LinkReport
+from cluster.core.protocol import LinkReport
 
 LINK_REPS = 30
 SMALL, MEDIUM, LARGE = 4, 8192, 64 * 2**20  # bytes

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
-from cluster.modelcheck import (
+from cluster.core.modelcheck import (
     ModelError,
     choose_split,
     is_vision_model,
@@ -27,14 +27,14 @@ from cluster.modelcheck import (
     num_layers,
     read_config,
 )
-from cluster.shards import (
+from cluster.core.shards import (
     LAYER_RE,
     VLM_LAYER_RE,
     all_weight_files,
     pipeline_range,
     weight_files_for_layers,
 )
-from cluster.tensorplan import TensorPlan, check_mode
+from cluster.core.tensorplan import TensorPlan, check_mode
 
 from .stage import apply_stages
 from .tensor import layer_problem, shard_tensor

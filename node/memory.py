@@ -12,7 +12,7 @@ import atexit
 
 import mlx.core as mx
 
-from cluster.modelcheck import MEMORY_FRACTION
+from cluster.core.modelcheck import MEMORY_FRACTION
 
 
 def metal_limits(device_info: dict) -> int | None:

@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from cluster.protocol import Piece, ToolCall
+from cluster.core.protocol import Piece, ToolCall
 
 from .reasoning import THINK_CLOSE, THINK_OPEN, held_back
 

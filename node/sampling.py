@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from cluster.spec import Sampling, to_dict
+from cluster.core.spec import Sampling, to_dict
 
 PENALTY_CONTEXT = 20  # generated tokens a penalty looks back over, as mlx-lm's default
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))

@@ -1,8 +1,8 @@
 """`mlx-cluster serve`, the ranks' side: rank 0 schedules, every rank decodes in lockstep.
 
-The HTTP API lives in the launcher (cluster/apiserver.py), so that it outlives the ranks. The
+The HTTP API lives in the launcher (cluster/serve/http.py), so that it outlives the ranks. The
 launcher sends rank 0 each request as one JSON line on its channel (stdin, through
-node.watchdog's watcher): ``{"op": "request", ...}`` (a cluster.spec.ServeRequest) or
+node.watchdog's watcher): ``{"op": "request", ...}`` (a cluster.core.spec.ServeRequest) or
 ``{"op": "cancel", "id": ...}``; END_OF_INPUT asks for a drain. Rank 0 answers with events:
 ``Piece`` (the next text of a request, in its channel: reasoning or content), ``ToolCall`` (a
 tool call parsed from it, node.parts), ``Stats`` (its end, with its id), ``Counted`` (the
@@ -29,11 +29,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any
 
-from cluster.protocol import END_OF_INPUT, Counted, Memory, Refused, Serving, Stats
-from cluster.spec import JobSpec, ServeRequest, from_dict
+from cluster.core.modelcheck import model_id
+from cluster.core.protocol import END_OF_INPUT, Counted, Memory, Refused, Serving, Stats
+from cluster.core.spec import JobSpec, ServeRequest, from_dict
 
 from .generate import AnswerText, answer_stats, answer_text
 from .parts import Parts, token_logprobs
@@ -45,7 +45,7 @@ MEMORY_EVERY_S = 5.0  # each rank reports its peak memory this often (the API's 
 
 
 @dataclass
-class Job:
+class Ticket:
     """Rank 0's view of one request, from its line to its end."""
 
     request: ServeRequest
@@ -57,17 +57,18 @@ class Job:
 class Inbox:
     """Rank 0's channel from the launcher, read on a thread: requests go to ``prepare`` (on a
     thread of its own: templates and tokenization never run on the decode loop), cancels onto
-    their jobs, END_OF_INPUT (or the end of the channel) into ``draining`` once every request
+    their tickets, END_OF_INPUT (or the end of the channel) into ``draining`` once every request
     before it is prepared."""
 
     def __init__(self, stream: IO[bytes], log: Callable[[str], None], prepare=None):
-        self.jobs: queue.Queue[Job | None] = queue.Queue()  # prepared; None wakes the loop
-        self.known: dict[str, Job] = {}  # not yet ended, by id
+        self.tickets: queue.Queue[Ticket | None] = queue.Queue()  # prepared; None wakes the loop
+        self.known: dict[str, Ticket] = {}  # not yet ended, by id
         self.draining = threading.Event()
-        self.prepared_all = threading.Event()  # every request before the drain is in ``jobs``
+        self.prepared_all = threading.Event()  # every request before the drain is in ``tickets``
         self.log = log
-        self.prepare = prepare or (lambda job: job)  # a Job -> the Job ready to schedule, or None
-        self.lines: queue.Queue[Job | None] = queue.Queue()  # to prepare; None: drain
+        # a Ticket -> the Ticket ready to schedule, or None
+        self.prepare = prepare or (lambda ticket: ticket)
+        self.lines: queue.Queue[Ticket | None] = queue.Queue()  # to prepare; None: drain
         self.stream = stream  # held: its descriptor must stay ours while the reader reads it
         fd = stream.fileno()
         threading.Thread(target=self.read, args=(fd,), daemon=True, name="inbox").start()
@@ -107,8 +108,8 @@ class Inbox:
         try:
             message = json.loads(line)
             if message.get("op") == "cancel":
-                if job := self.known.get(message["id"]):
-                    job.cancel.set()
+                if ticket := self.known.get(message["id"]):
+                    ticket.cancel.set()
                 return
             request = from_dict(ServeRequest, message["request"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -116,29 +117,29 @@ class Inbox:
             return
         if self.draining.is_set():
             return  # the launcher sends nothing after END_OF_INPUT
-        job = Job(request)
-        self.known[request.id] = job
-        self.lines.put(job)
+        ticket = Ticket(request)
+        self.known[request.id] = ticket
+        self.lines.put(ticket)
 
     def prepare_all(self) -> None:
-        while (job := self.lines.get()) is not None:
-            if job.cancel.is_set():
-                self.ended(job)
+        while (ticket := self.lines.get()) is not None:
+            if ticket.cancel.is_set():
+                self.ended(ticket)
                 continue
             try:
-                ready = self.prepare(job)
+                ready = self.prepare(ticket)
             except Exception as e:  # a bug in preparing must not end the thread
-                self.log(f"serve: could not prepare request {job.request.id}: {e!r}")
+                self.log(f"serve: could not prepare request {ticket.request.id}: {e!r}")
                 ready = None
             if ready is None:
-                self.ended(job)
+                self.ended(ticket)
             else:
-                self.jobs.put(ready)
+                self.tickets.put(ready)
         self.prepared_all.set()
-        self.jobs.put(None)
+        self.tickets.put(None)
 
-    def ended(self, job: Job) -> None:
-        self.known.pop(job.request.id, None)
+    def ended(self, ticket: Ticket) -> None:
+        self.known.pop(ticket.request.id, None)
 
 
 def prompt_of(request: ServeRequest, tokenizer) -> list[int]:
@@ -165,7 +166,7 @@ class Admission:
 
     @classmethod
     def of(cls, config: dict, settings) -> Admission:
-        from cluster.modelcheck import text_config
+        from cluster.core.modelcheck import text_config
 
         text = text_config(config)
         return cls(
@@ -209,7 +210,7 @@ class Admission:
 class Live:
     """Rank 0's view of one request in the batch."""
 
-    job: Job
+    ticket: Ticket
     detokenizer: Any
     text: AnswerText
     prompt_n: int
@@ -234,8 +235,8 @@ class Scheduler:
         self.emit = emit
         self.batched = batched
         self.drain_timeout = drain_timeout
-        self.waiting: deque[tuple[Job, dict]] = deque()
-        self.inserting: list[tuple[Job, dict]] = []  # in the order just shared
+        self.waiting: deque[tuple[Ticket, dict]] = deque()
+        self.inserting: list[tuple[Ticket, dict]] = []  # in the order just shared
         self.lives: dict[int, Live] = {}
         self.removals: list[int] = []
         self.drain_deadline: float | None = None
@@ -243,19 +244,21 @@ class Scheduler:
     def listen(self, stream: IO[bytes], log: Callable[[str], None]) -> None:
         self.inbox = Inbox(stream, log, self.prepare)
 
-    def piece(self, job: Job, text: str) -> None:
-        job.parts.feed(text)
+    def piece(self, ticket: Ticket, text: str) -> None:
+        ticket.parts.feed(text)
 
-    def logprobs(self, job: Job, response) -> None:
+    def logprobs(self, ticket: Ticket, response) -> None:
         """Rank 0 keeps a token's logprobs when its request asked for them."""
-        top = job.request.logprobs
+        top = ticket.request.logprobs
         if top is not None and response.logprobs is not None:
-            job.parts.token(token_logprobs(self.tokenizer, response.token, response.logprobs, top))
+            ticket.parts.token(
+                token_logprobs(self.tokenizer, response.token, response.logprobs, top)
+            )
 
-    def prepare(self, job: Job) -> Job | None:
+    def prepare(self, ticket: Ticket) -> Ticket | None:
         """On the inbox's prepare thread: the request's tokens and its shared settings
-        (``job.shared``), or its refusal or count sent back (None)."""
-        r = job.request
+        (``ticket.shared``), or its refusal or count sent back (None)."""
+        r = ticket.request
         try:
             tokens = prompt_of(r, self.tokenizer)
             if not tokens:
@@ -267,35 +270,35 @@ class Scheduler:
             self.emit(Counted(r.id, len(tokens)))
             return None
         try:
-            job.shared = self.admission.request(tokens, r.sampling)
+            ticket.shared = self.admission.request(tokens, r.sampling)
         except Refusal as e:
             self.emit(Refused(r.id, 400, str(e)))
             return None
-        job.parts = Parts(r.id, self.tokenizer, r.template.tools, r.kind == "chat", self.emit)
-        return job
+        ticket.parts = Parts(r.id, self.tokenizer, r.template.tools, r.kind == "chat", self.emit)
+        return ticket
 
-    def take(self, job: Job | None) -> None:
+    def take(self, ticket: Ticket | None) -> None:
         """A prepared request into the waiting line."""
-        if job is None:  # a wake-up (drain)
+        if ticket is None:  # a wake-up (drain)
             return
-        if job.cancel.is_set():
-            return self.inbox.ended(job)
-        self.waiting.append((job, job.shared))
+        if ticket.cancel.is_set():
+            return self.inbox.ended(ticket)
+        self.waiting.append((ticket, ticket.shared))
 
     def order(self, live: int) -> dict | None:
         """The next order for every rank: {} is a ping (nothing to do, all still here), None
         means go on as before. Blocks while there is nothing to do."""
         inbox = self.inbox
         if not live and not self.waiting:
-            if inbox.prepared_all.is_set() and inbox.jobs.empty():
+            if inbox.prepared_all.is_set() and inbox.tickets.empty():
                 return {"quit": True}
             try:
-                self.take(inbox.jobs.get(timeout=PING_S))
+                self.take(inbox.tickets.get(timeout=PING_S))
             except queue.Empty:
                 return {}
         while True:
             try:
-                self.take(inbox.jobs.get_nowait())
+                self.take(inbox.tickets.get_nowait())
             except queue.Empty:
                 break
         self.cut_drain()
@@ -304,16 +307,16 @@ class Scheduler:
             order["remove"], self.removals = self.removals, []
         insert = []
         while self.waiting:
-            job, request = self.waiting[0]
-            if job.cancel.is_set():
+            ticket, request = self.waiting[0]
+            if ticket.cancel.is_set():
                 self.waiting.popleft()
-                self.inbox.ended(job)
+                self.inbox.ended(ticket)
                 continue
-            if not self.batched or job.request.seeded:
+            if not self.batched or ticket.request.seeded:
                 if live or insert or order:
                     break  # alone: once the batch is empty
                 self.waiting.popleft()
-                self.inserting = [(job, request)]
+                self.inserting = [(ticket, request)]
                 return {"single": request}
             insert.append(request)
             self.inserting.append(self.waiting.popleft())
@@ -331,30 +334,30 @@ class Scheduler:
             return
         for uid, one in list(self.lives.items()):
             self.finish(uid, one, "cancelled")
-        for job, _ in self.waiting:
-            self.emit(Refused(job.request.id, 503, "the server is shutting down"))
+        for ticket, _ in self.waiting:
+            self.emit(Refused(ticket.request.id, 503, "the server is shutting down"))
         self.waiting.clear()
 
     def bind(self, joined: list[tuple[int | None, int, str | None]]) -> None:
         """The requests just inserted: (uid, prompt tokens taken from the cache, why it
         failed), in order. One that failed on the ranks is answered with a 500 alone."""
         now = time.perf_counter()
-        for (uid, cached, failed), (job, request) in zip(joined, self.inserting, strict=True):
+        for (uid, cached, failed), (ticket, request) in zip(joined, self.inserting, strict=True):
             if failed is not None:
-                self.failed(job, failed)
+                self.failed(ticket, failed)
                 continue
             text = answer_text(self.tokenizer, request)
             if text.opening:
-                self.piece(job, text.start())
+                self.piece(ticket, text.start())
             self.lives[uid] = Live(
-                job, self.tokenizer.detokenizer, text, len(request["tokens"]), now, cached
+                ticket, self.tokenizer.detokenizer, text, len(request["tokens"]), now, cached
             )
         self.inserting = []
 
-    def failed(self, job: Job, why: str) -> None:
-        self.emit(Refused(job.request.id, 500, f"the request failed on the ranks ({why}); "
+    def failed(self, ticket: Ticket, why: str) -> None:
+        self.emit(Refused(ticket.request.id, 500, f"the request failed on the ranks ({why}); "
                                                "the server goes on"))  # fmt: skip
-        self.inbox.ended(job)
+        self.inbox.ended(ticket)
 
     def on_token(self, r) -> None:
         """One generated token of one request: its text to the client, its end if it ends."""
@@ -364,19 +367,19 @@ class Scheduler:
         now = time.perf_counter()
         one.first = one.first or now
         one.last, one.n = now, one.n + 1
-        self.logprobs(one.job, r)
+        self.logprobs(one.ticket, r)
         if r.finish_reason != "stop":  # an end-of-sequence token has no text
             one.detokenizer.add_token(r.token)
         if r.finish_reason is not None:
             one.detokenizer.finalize()
         shown, hit = one.text.feed(one.detokenizer.last_segment)
-        self.piece(one.job, shown)
+        self.piece(one.ticket, shown)
         if hit:
             self.finish(r.uid, one, "stop")
         elif r.finish_reason is not None:
-            self.piece(one.job, one.text.finish())
+            self.piece(one.ticket, one.text.finish())
             self.finish(r.uid, one, r.finish_reason, ended=True)
-        elif one.job.cancel.is_set():
+        elif one.ticket.cancel.is_set():
             self.finish(r.uid, one, "cancelled")
 
     def finish(self, uid: int, one: Live, reason: str, ended: bool = False) -> None:
@@ -397,15 +400,15 @@ class Scheduler:
             one.cached,
             one.text.stop.hit,
         )
-        self.answered(one.job, stats)
+        self.answered(one.ticket, stats)
 
-    def answered(self, job: Job, stats: dict) -> None:
+    def answered(self, ticket: Ticket, stats: dict) -> None:
         """The end of an answer: what its parts still hold, then its stats (a tool call
         that ended the answer makes it finish with "tool_calls", as OpenAI's do)."""
-        if job.parts.finish() and stats["finish_reason"] == "stop":
+        if ticket.parts.finish() and stats["finish_reason"] == "stop":
             stats = {**stats, "finish_reason": "tool_calls"}
-        self.emit(Stats(**stats, request=job.request.id))
-        self.inbox.ended(job)
+        self.emit(Stats(**stats, request=ticket.request.id))
+        self.inbox.ended(ticket)
 
 
 def cache_budget(gb: float | None, ranks_on_host: int) -> float:
@@ -477,8 +480,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
         admission = Admission.of(loaded.config, options)
         scheduler = Scheduler(loaded.tokenizer, emit, batched, options.drain_timeout, admission)
         scheduler.listen(launcher_input(), log)
-        local = Path(spec.model).expanduser()
-        emit(Serving(local.name if local.exists() else spec.model, batched))
+        emit(Serving(model_id(spec.model), batched))
     live = 0
     memory_at = 0.0
     while True:
@@ -492,28 +494,28 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
             if order.get("quit"):
                 break
             if "single" in order:
-                job = scheduler.inserting[0][0] if rank0 else None
+                ticket = scheduler.inserting[0][0] if rank0 else None
                 try:
                     tried(order["single"], vocab)
                 except RequestFailed as e:  # on every rank alike
                     if rank0:
                         scheduler.inserting = []
-                        scheduler.failed(job, str(e))
+                        scheduler.failed(ticket, str(e))
                     continue
                 answer = generate(
                     loaded.model,
                     loaded.tokenizer,
                     order["single"],
-                    functools.partial(scheduler.piece, job) if rank0 else None,
+                    functools.partial(scheduler.piece, ticket) if rank0 else None,
                     group,
-                    cancelled=job.cancel.is_set if rank0 else None,
+                    cancelled=ticket.cancel.is_set if rank0 else None,
                     cancellable=True,
-                    on_response=functools.partial(scheduler.logprobs, job) if rank0 else None,
+                    on_response=functools.partial(scheduler.logprobs, ticket) if rank0 else None,
                     speculation=loaded.speculation,
                 )
                 if rank0:
                     scheduler.inserting = []
-                    scheduler.answered(job, answer.stats)
+                    scheduler.answered(ticket, answer.stats)
                 continue
             joined = batch.apply(order)
             if rank0:

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, _BaseCache
 
-from cluster.shards import pipeline_range
+from cluster.core.shards import pipeline_range
 
 
 class PassThrough(nn.Module):

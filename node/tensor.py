@@ -10,7 +10,7 @@ ranks (``all_sum``), adding a bias once. A mixture of experts sums once, after t
 Norms, rotary embeddings, softcapping and sliding windows act per head or on the whole hidden
 state and are left as they are; embeddings and the head stay whole.
 
-Which heads and columns: cluster/tensorplan.py. A rank holds the KV heads its query heads
+Which heads and columns: cluster/core/tensorplan.py. A rank holds the KV heads its query heads
 use, replicated when the ranks outnumber them. ``ModelError`` names a part this module does not
 know, so the user hears why instead of getting wrong text.
 """
@@ -21,8 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from cluster.modelcheck import ModelError
-from cluster.tensorplan import TensorPlan
+from cluster.core.modelcheck import ModelError
+from cluster.core.tensorplan import TensorPlan
 
 ATTENTION = ("self_attn", "attention", "attn")
 MLP = ("mlp", "block_sparse_moe", "feed_forward")

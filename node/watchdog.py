@@ -32,7 +32,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import IO
 
-from cluster.protocol import KEEPALIVE, Beat, Error, Event, encode_event
+from cluster.core.protocol import KEEPALIVE, Beat, Error, Event, encode_event
 
 HEARTBEAT_S = 1.0
 

@@ -147,7 +147,7 @@ def models(tmp_path_factory):
 def tool_model(tmp_path_factory):
     """A tiny model trained to call a weather tool (tests/toolmodel.py), trained in a
     subprocess so that it gets OpenBLAS as ranks do (about 10 s instead of 100)."""
-    from cluster.blas import blas_env
+    from cluster.core.blas import blas_env
 
     out = tmp_path_factory.mktemp("toolmodel") / "m"
     env = {**os.environ}

@@ -27,7 +27,7 @@ from families import render as render_survey
 from families import survey
 from tiny import FAMILIES, VLM_FAMILIES, make_model, make_vlm
 
-from cluster.blas import blas_env
+from cluster.core.blas import blas_env
 
 CLI = shutil.which("mlx-cluster", path=str(Path(sys.executable).parent)) or "mlx-cluster"
 PROMPT = "Tell me about lists"
@@ -46,7 +46,7 @@ class Cell:
     detail: str = ""  # max |Δlogit|, or why unsupported / failed
 
 
-# Both sides of a cell use the BLAS a rank picks (cluster.blas), on one thread: pipeline mode
+# Both sides of a cell use the BLAS a rank picks (cluster.core.blas), on one thread: pipeline mode
 # then does the single process's arithmetic bit for bit, and a Δ of 0 means exactly that.
 ONE_THREAD = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
 REFERENCE_ENV = {**ONE_THREAD, **(blas_env("auto", 1, ONE_THREAD, sys.platform, 1) or {})}

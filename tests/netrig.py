@@ -15,7 +15,7 @@ see a round trip of twice the delay; ``--rtt`` sets delay = rtt / 2. A link goes
 (``ip link set eth0 down`` inside the host).
 
 With ``--cables`` the hosts are also joined in a ring by point-to-point veth "Thunderbolt
-cables", one /30 each, addressed by ``cluster.topology.plan`` as ``hostfile discover`` plans
+cables", one /30 each, addressed by ``cluster.rig.topology.plan`` as ``hostfile discover`` plans
 them (``en1`` to the next host, ``en2`` to the previous one); the hostfile's ``ips`` are then
 the cable addresses and the LAN carries only SSH.
 
@@ -467,10 +467,10 @@ def cable_iface(i: int, j: int, n: int) -> str:
 
 
 def lay_cables(rig: Rig) -> None:
-    """A ring of veth cables, addressed as `hostfile discover` would: cluster.topology.plan
+    """A ring of veth cables, addressed as `hostfile discover` would: cluster.rig.topology.plan
     over Thunderbolt ports that name their peers."""
-    from cluster.topology import Node, plan
-    from cluster.topology import Port as TBPort
+    from cluster.rig.topology import Node, plan
+    from cluster.rig.topology import Port as TBPort
 
     n = rig.n
     nodes = []

@@ -116,9 +116,9 @@ def start(argv: list[str], env: dict | None = None) -> subprocess.Popen:
 def start_direct(argv: list[str], ranks: int, tmp: Path) -> list[subprocess.Popen]:
     """``argv`` on each rank of a ring on this machine, with the environment mlx.launch gives
     its ranks (MLX_RANK, MLX_HOSTFILE) but without mlx.launch, whose output relay busy-waits."""
-    from cluster.backends import rank_envs
-    from cluster.hostfile import local_hostfile
-    from cluster.process import write_files
+    from cluster.core.hostfile import local_hostfile
+    from cluster.job.backends import rank_envs
+    from cluster.job.process import write_files
 
     return [
         start(argv, {**os.environ, **e.env, **write_files(e.files, tmp / f"rank{e.rank}")})

@@ -11,16 +11,16 @@ import time
 
 import pytest
 
-from cluster.api import END, Door
-from cluster.apiserver import Api
-from cluster.metrics import Metrics
-from cluster.protocol import Piece
+from cluster.core.protocol import Piece
+from cluster.serve.api.shared import END, Door
+from cluster.serve.http import Api
+from cluster.serve.metrics import Metrics
 
 BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
 
 
 class StandIn:
-    """The part of cluster.serving.Service the server calls; answers "ok" at once unless
+    """The part of cluster.serve.service.Service the server calls; answers "ok" at once unless
     told to hold requests."""
 
     def __init__(self, hold: bool = False):
@@ -30,15 +30,15 @@ class StandIn:
         self.hold = hold
         self.submitted, self.cancelled = [], threading.Event()
 
-    def submit(self, job) -> None:
-        self.submitted.append(job)
+    def submit(self, req) -> None:
+        self.submitted.append(req)
         if not self.hold:
-            job.result = {"finish_reason": "stop", "usage": {"prompt_tokens": 1,
+            req.result = {"finish_reason": "stop", "usage": {"prompt_tokens": 1,
                           "completion_tokens": 1, "total_tokens": 2}}  # fmt: skip
-            job.chunks.put(Piece(job.id, "ok"))
-            job.chunks.put(END)
+            req.chunks.put(Piece(req.id, "ok"))
+            req.chunks.put(END)
 
-    def cancel(self, job) -> None:
+    def cancel(self, req) -> None:
         self.cancelled.set()
 
     def health(self) -> dict:

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from cluster.backends import rank_envs, ring_addresses
-from cluster.hostfile import HostfileError, local_hostfile, parse_hostfile
+from cluster.core.hostfile import HostfileError, local_hostfile, parse_hostfile
+from cluster.job.backends import rank_envs, ring_addresses
 
 
 def remote(n, backend="ring", rdma=None):
@@ -85,7 +85,7 @@ def test_port_in_use_means_a_listener_not_a_time_wait():
     with SO_REUSEADDR); a port another process listens on is not."""
     import socket
 
-    from cluster.backends import free_port_run, port_in_use
+    from cluster.job.backends import free_port_run, port_in_use
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]

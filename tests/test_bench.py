@@ -13,7 +13,8 @@ import subprocess
 import pytest
 from conftest import CLI, ROOT, _children, _cmdline, descendant_ranks, invoke, rank_pids, run_cli
 
-from cluster.bench import (
+from cluster.core.hostfile import parse_hostfile
+from cluster.rig.bench import (
     BASELINES,
     BenchPlan,
     Config,
@@ -24,7 +25,6 @@ from cluster.bench import (
     first_ranks,
     spread,
 )
-from cluster.hostfile import parse_hostfile
 
 PROMPT_TOKENS, GEN_TOKENS, REPEAT = 24, 8, 2
 

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from cluster.api import Answer, ApiRequest, Door, RequestError
-from cluster.api_anthropic import CountTokens, Messages
-from cluster.api_openai import ChatCompletions
-from cluster.api_responses import Responses
-from cluster.protocol import Piece, ToolCall
+from cluster.core.protocol import Piece, ToolCall
+from cluster.serve.api.anthropic import CountTokens, Messages
+from cluster.serve.api.openai import ChatCompletions
+from cluster.serve.api.responses import Responses
+from cluster.serve.api.shared import Answer, ApiRequest, Door, RequestError
 from node.parts import Parts
 
 MODELS = Door(frozenset({"m"}))
@@ -196,8 +196,8 @@ def answered() -> Answer:
 
 def test_one_answer_in_each_dialect():
     chat = ChatCompletions()
-    job = answer_job(chat, {"messages": [{"role": "user", "content": "x"}]})
-    body = chat.reply(job, answered())
+    req = answer_job(chat, {"messages": [{"role": "user", "content": "x"}]})
+    body = chat.reply(req, answered())
     message = body["choices"][0]["message"]
     assert message["content"] is None and message["reasoning_content"] == "think"
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["f", "g"]
@@ -210,8 +210,8 @@ def test_one_answer_in_each_dialect():
     assert body["status"] == "completed" and body["usage"]["output_tokens"] == 3
 
     messages = Messages()
-    job = answer_job(messages, {"max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})
-    body = messages.reply(job, answered())
+    req = answer_job(messages, {"max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})
+    body = messages.reply(req, answered())
     assert [b["type"] for b in body["content"]] == ["thinking", "tool_use", "tool_use"]
     assert body["content"][1]["input"] == {"a": 1} and body["stop_reason"] == "tool_use"
     assert body["usage"]["input_tokens"] == 7
@@ -219,8 +219,8 @@ def test_one_answer_in_each_dialect():
 
 def test_the_responses_stream_opens_and_closes_each_item_in_order():
     responses = Responses()
-    job = answer_job(responses, {"input": "x"})
-    stream = responses.events(job)
+    req = answer_job(responses, {"input": "x"})
+    stream = responses.events(req)
     events = [*stream.start()]
     for item in (Piece("x", "a", "reasoning"), Piece("x", "b"), Piece("x", "c")):
         events += stream.piece(item)

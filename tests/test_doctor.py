@@ -40,7 +40,7 @@ def test_all_ok_on_loopback(sshd, models, tmp_path):
     local, remote = report["hosts"]
     assert remote["ssh"] == "ok" and local["ssh"] == "local"
     assert local["versions"] == remote["versions"]
-    from cluster.blas import find_openblas
+    from cluster.core.blas import find_openblas
 
     for host in (local, remote):  # the BLAS the ranks will use there, measured as they run it
         assert host["blas"]["library"] == find_openblas() and host["blas"]["gflops"] > 0
@@ -95,8 +95,8 @@ def test_busy_port_and_missing_rdma(tmp_path):
 
 def test_model_share_follows_launchs_split(tmp_path):
     """doctor's share per rank is split as launch splits: --split, else by memory_gb."""
-    from cluster.doctor import model_shares
-    from cluster.hostfile import parse_hostfile
+    from cluster.core.hostfile import parse_hostfile
+    from cluster.job.memory import model_shares
 
     (tmp_path / "config.json").write_text(
         json.dumps(
@@ -140,8 +140,8 @@ def test_connections_per_ip_counts_in_the_port_check():
 
 
 def test_a_linux_host_on_the_reference_blas_gets_a_note_not_a_failure():
-    from cluster.doctor import HostReport, _check_blas, blas_cell
-    from cluster.hostfile import parse_hostfile
+    from cluster.core.hostfile import parse_hostfile
+    from cluster.rig.doctor import HostReport, _check_blas, blas_cell
 
     report = HostReport(parse_hostfile({"hosts": ["a"]}).hosts[0], [0])
     report.probe = {"blas": {"library": None, "gflops": 4.4}}

@@ -1,5 +1,6 @@
-"""What a request may ask of serve, checked at the door (cluster.api: RANGES, loads, the
-dialects' parse), and rank 0's checks once it has the tokens (node.serve.Admission); no rank.
+"""What a request may ask of serve, checked at the door (cluster.serve.api.shared: RANGES,
+loads, the dialects' parse), and rank 0's checks once it has the tokens (node.serve.Admission);
+no rank.
 
 A property-based fuzzer sends any JSON body to every dialect: the answer is a 4xx naming
 what is wrong, or a request that travels to rank 0, never an exception."""
@@ -12,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.api import RANGES, Door, RequestError, loads
-from cluster.api_anthropic import CountTokens, Messages
-from cluster.api_openai import ChatCompletions, Completions
-from cluster.api_responses import Responses
-from cluster.spec import Sampling, ServeRequest, to_dict
+from cluster.core.spec import Sampling, ServeRequest, to_dict
+from cluster.serve.api.anthropic import CountTokens, Messages
+from cluster.serve.api.openai import ChatCompletions, Completions
+from cluster.serve.api.responses import Responses
+from cluster.serve.api.shared import RANGES, Door, RequestError, loads
 
 DOOR = Door(frozenset({"m"}), max_tokens_cap=1000)
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

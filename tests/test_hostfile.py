@@ -5,7 +5,7 @@ import json
 import pytest
 from conftest import ROOT
 
-from cluster.hostfile import HostfileError, load_hostfile, local_hostfile, split_target
+from cluster.core.hostfile import HostfileError, load_hostfile, local_hostfile, split_target
 
 
 def write(tmp_path, text, name="h.yaml"):

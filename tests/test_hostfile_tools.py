@@ -14,8 +14,8 @@ import pytest
 import yaml
 from conftest import invoke, run_cli
 
-from cluster.backends import rank_envs
-from cluster.hostfile import load_hostfile
+from cluster.core.hostfile import load_hostfile
+from cluster.job.backends import rank_envs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "discover"
 REPO = Path(__file__).parent.parent

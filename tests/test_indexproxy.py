@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from cluster.indexproxy import IndexTunnels, parse_connect, refusal
+from cluster.rig.indexproxy import IndexTunnels, parse_connect, refusal
 
 
 def test_parse_connect():

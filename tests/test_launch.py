@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from conftest import CLI, ROOT, invoke, rank_pid, rank_pids, reference, run_cli, start_streaming
 
-from cluster.modelcheck import default_model_path
+from cluster.core.modelcheck import default_model_path
 
 PROMPT = "Tell me about lists"
 TOKENS = 40

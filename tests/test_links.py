@@ -1,10 +1,10 @@
-"""doctor --links: which links it names and why (cluster.doctor), and which pairs a backend
+"""doctor --links: which links it names and why (cluster.rig.doctor), and which pairs a backend
 measures (node.links), without ranks."""
 
 from __future__ import annotations
 
-from cluster.doctor import link_problems, render_links
-from cluster.protocol import LinkReport
+from cluster.core.protocol import LinkReport
+from cluster.rig.doctor import link_problems, render_links
 
 LABELS = ["mac0", "mac1", "mac2"]
 

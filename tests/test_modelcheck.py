@@ -1,7 +1,7 @@
 import pytest
 
-from cluster.modelcheck import ModelError, check_shardable, read_config
-from cluster.tensorplan import check_mode, spans
+from cluster.core.modelcheck import ModelError, check_shardable, read_config
+from cluster.core.tensorplan import check_mode, spans
 
 CFG = {
     "model_type": "llama",
@@ -83,7 +83,7 @@ def test_lora_adapter_is_named_with_the_fuse_command(tmp_path):
 
 
 def test_weighted_split_gives_every_rank_a_layer_and_sums():
-    from cluster.modelcheck import choose_split, weighted_split
+    from cluster.core.modelcheck import choose_split, weighted_split
 
     assert weighted_split([96, 32], 6) == [4, 2]
     assert weighted_split([192, 192, 64], 80) == [34, 34, 12]

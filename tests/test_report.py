@@ -1,6 +1,6 @@
 """Which rank a failure report blames, when several ranks fail one after another."""
 
-from cluster.jobstate import RankState, culprit, failure_report
+from cluster.job.state import RankState, culprit, failure_report
 
 
 def test_the_earliest_reported_error_is_the_cause():

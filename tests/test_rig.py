@@ -16,7 +16,7 @@ import yaml
 from conftest import reference, run_cli, start_streaming
 from netrig import Shape, available, down, up
 
-from cluster.transfer import MANIFEST
+from cluster.rig.transfer import MANIFEST
 
 MISSING = available()
 if MISSING and os.environ.get("MLX_CLUSTER_REQUIRE_RIG"):  # CI: never a silent skip
@@ -282,12 +282,12 @@ def test_install_through_this_machine_then_launch_from_the_venvs(rig, models, tm
     assert "problem" not in p.stdout
     for venv in venvs:
         installed = subprocess.run(
-            [venv / "bin" / "python", "-c", "import cluster.install as m; print(m.__file__)"],
+            [venv / "bin" / "python", "-c", "import cluster.rig.install as m; print(m.__file__)"],
             capture_output=True, text=True, cwd=tmp_path,
         )  # fmt: skip
         path = Path(installed.stdout.strip())
         assert str(path).startswith(str(venv)), installed  # the venv's copy, not this checkout
-        here = Path(__file__).parent.parent / "cluster" / "install.py"
+        here = Path(__file__).parent.parent / "cluster" / "rig" / "install.py"
         assert (
             hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(here.read_bytes()).digest()
         )

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from conftest import invoke, reference, run_cli
 
-from cluster.spec import Sampling
+from cluster.core.spec import Sampling
 from node.generate import StopText
 from node.sampling import presence_penalty, repetition_penalty, sampler, settings
 

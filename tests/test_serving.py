@@ -10,14 +10,15 @@ import time
 
 from conftest import invoke
 
-from cluster.api import END, RESTART, ApiRequest, Door, RequestError
-from cluster.api_openai import ChatCompletions
-from cluster.hostfile import parse_hostfile
-from cluster.jobstate import JobState, RankState
-from cluster.launcher import LaunchError
-from cluster.protocol import END_OF_INPUT, Piece, Serving, Stats
-from cluster.serving import Restarts, Service, fits, without_hosts
-from cluster.spec import JobSpec, Sampling, ServeSettings, to_dict
+from cluster.core.hostfile import parse_hostfile
+from cluster.core.protocol import END_OF_INPUT, Piece, Serving, Stats
+from cluster.core.spec import JobSpec, Sampling, ServeSettings, to_dict
+from cluster.job.launcher import LaunchError
+from cluster.job.memory import fits
+from cluster.job.state import JobState, RankState
+from cluster.serve.api.openai import ChatCompletions
+from cluster.serve.api.shared import END, RESTART, ApiRequest, Door, RequestError
+from cluster.serve.service import Restarts, Service, without_hosts
 
 HOSTS = {"hosts": [{"ssh": "a.local"}, {"ssh": "b.local"}, {"ssh": "c.local"}]}
 
@@ -40,10 +41,10 @@ def request(stream: bool) -> ApiRequest:
     return ApiRequest(chat, chat.parse(body, Door(frozenset({"m"}))), stream, "m", body)
 
 
-def drain(job: ApiRequest) -> list:
+def drain(req: ApiRequest) -> list:
     items = []
-    while not job.chunks.empty():
-        items.append(job.chunks.get())
+    while not req.chunks.empty():
+        items.append(req.chunks.get())
     return items
 
 
@@ -58,13 +59,13 @@ def wait_sent(sent: list[bytes], n: int) -> list[dict]:
 
 def test_requests_wait_for_the_ranks_then_go_to_rank0_in_order():
     svc, sent = service()
-    jobs = [request(False), request(True)]
-    for job in jobs:
-        svc.submit(job)
+    reqs = [request(False), request(True)]
+    for req in reqs:
+        svc.submit(req)
     assert svc.health()["status"] == "starting" and svc.health()["waiting"] == 2
     start_job(svc, sent)
     lines = wait_sent(sent, 2)
-    assert [x["request"]["id"] for x in lines] == [j.id for j in jobs]
+    assert [x["request"]["id"] for x in lines] == [j.id for j in reqs]
     assert lines[0]["op"] == "request" and lines[0]["request"]["messages"][0]["content"] == "hi"
     assert svc.health()["status"] == "ok" and svc.health()["in_flight"] == 2
 
@@ -73,8 +74,8 @@ def test_a_failed_job_cuts_streams_under_way_and_decodes_the_rest_again():
     svc, sent = service()
     start_job(svc, sent)
     plain, shown_stream, quiet_stream = request(False), request(True), request(True)
-    for job in (plain, shown_stream, quiet_stream):
-        svc.submit(job)
+    for req in (plain, shown_stream, quiet_stream):
+        svc.submit(req)
     wait_sent(sent, 3)
     svc.on_event(0, Piece(plain.id, "Hel"))
     svc.on_event(0, Piece(shown_stream.id, "Hel"))
@@ -102,11 +103,11 @@ def test_a_failed_job_cuts_streams_under_way_and_decodes_the_rest_again():
 
 def test_a_request_past_the_restart_wait_gets_503_with_retry_after():
     svc, _ = service(restart_wait=0.0)
-    job = request(False)
-    svc.submit(job)
-    assert job.chunks.empty()  # it waits for the ranks...
+    req = request(False)
+    svc.submit(req)
+    assert req.chunks.empty()  # it waits for the ranks...
     svc.reap(time.monotonic() + 0.001)  # ...until the loop's next look past the wait
-    error = job.chunks.get_nowait()
+    error = req.chunks.get_nowait()
     assert isinstance(error, RequestError) and error.status == 503 and error.retry_after
     assert "not ready after 0 s (starting)" in str(error)
     assert not svc.pending
@@ -159,37 +160,37 @@ def test_a_drain_reaches_rank0_after_every_request_sent_before_it():
     """The race of a drain with a request: one channel, one order (the loop writes both)."""
     svc, sent = service()
     start_job(svc, sent)
-    job = request(False)
-    svc.submit(job)
+    req = request(False)
+    svc.submit(req)
     svc.draining(tell=True)
     late = request(False)
     svc.submit(late)
     deadline = time.monotonic() + 5
     while len(sent) < 2 and time.monotonic() < deadline:  # the pump writes on its thread
         time.sleep(0.01)
-    assert json.loads(sent[0])["request"]["id"] == job.id and sent[1] == END_OF_INPUT
+    assert json.loads(sent[0])["request"]["id"] == req.id and sent[1] == END_OF_INPUT
     assert len(sent) == 2 and drain(late)[0].status == 503
 
 
 def test_a_request_under_way_at_two_failures_is_not_replayed_a_third_time():
     svc, sent = service()
     start_job(svc, sent)
-    job = request(False)
-    svc.submit(job)
+    req = request(False)
+    svc.submit(req)
     wait_sent(sent, 1)
     svc.job_ended(LaunchError("error: rank 1 of 2 on b.local exited with code -11"))
-    assert list(svc.pending) == [job]  # replayed once
+    assert list(svc.pending) == [req]  # replayed once
     sent.clear()
     start_job(svc, sent)
     wait_sent(sent, 1)
     svc.job_ended(LaunchError("error: rank 1 of 2 on b.local exited with code -11"))
-    (error,) = drain(job)
+    (error,) = drain(req)
     assert error.status == 500 and "failed 2 times while this request was under way" in str(error)
     assert not svc.pending
     health = svc.health()
-    assert health["dropped_after_failures"] == [job.id]
-    assert health["last_failure"]["in_flight"] == [job.id]
-    assert f"request {job.id} was under way at 2 failures" in svc.stderr.getvalue()
+    assert health["dropped_after_failures"] == [req.id]
+    assert health["last_failure"]["in_flight"] == [req.id]
+    assert f"request {req.id} was under way at 2 failures" in svc.stderr.getvalue()
 
 
 def test_rank0_serves_the_requests_before_end_of_input_in_the_same_read():
@@ -199,15 +200,15 @@ def test_rank0_serves_the_requests_before_end_of_input_in_the_same_read():
     from node.serve import Inbox
 
     read_fd, write_fd = os.pipe()
-    job = request(False)
-    line = json.dumps({"op": "request", "request": to_dict(job.to_rank0())}).encode()
+    req = request(False)
+    line = json.dumps({"op": "request", "request": to_dict(req.to_rank0())}).encode()
     os.write(write_fd, line + b"\n" + END_OF_INPUT)
     os.close(write_fd)
     with os.fdopen(read_fd, "rb") as channel:
         inbox = Inbox(channel, print)
-        first = inbox.jobs.get(timeout=5)
-        assert first is not None and first.request.id == job.id
-        assert inbox.jobs.get(timeout=5) is None and inbox.draining.is_set()
+        first = inbox.tickets.get(timeout=5)
+        assert first is not None and first.request.id == req.id
+        assert inbox.tickets.get(timeout=5) is None and inbox.draining.is_set()
         assert inbox.prepared_all.is_set()  # only now may rank 0 quit
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from cluster.backends import rank_envs
-from cluster.hostfile import local_hostfile
+from cluster.core.hostfile import local_hostfile
+from cluster.job.backends import rank_envs
 from node.share import decode, encode
 
 WORKER = Path(__file__).with_name("share_worker.py")

@@ -7,15 +7,13 @@ from pathlib import Path
 import click
 import pytest
 
-from cluster import protocol
-from cluster.blas import MARK, blas_env, find_openblas
 from cluster.commands import cli
 from cluster.commands.options import OPTIONS
 from cluster.commands.run import job_spec
-from cluster.hostfile import parse_hostfile
-from cluster.jobstate import JobState, RankState, on_event, on_text, overdue
-from cluster.launcher import plan
-from cluster.spec import (
+from cluster.core import protocol
+from cluster.core.blas import MARK, blas_env, find_openblas
+from cluster.core.hostfile import parse_hostfile
+from cluster.core.spec import (
     BenchSettings,
     JobSpec,
     LaunchSettings,
@@ -26,6 +24,8 @@ from cluster.spec import (
     from_dict,
     to_dict,
 )
+from cluster.job.launcher import plan
+from cluster.job.state import JobState, RankState, on_event, on_text, overdue
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +64,7 @@ def test_only_rank_0_gets_the_request_and_serve_settings():
 
 
 def test_every_option_default_is_its_dataclass_default():
-    """A default lives in cluster.spec only: each click option named like a field shows it."""
+    """A default lives in cluster.core.spec only: each click option named like a field shows it."""
     owners = (Sampling, Template, ServeSettings, LaunchSettings, BenchSettings, JobSpec)
     fields = {f.name: (cls, f) for cls in owners for f in dataclasses.fields(cls)}
     checked = 0
@@ -198,6 +198,42 @@ def imports(path: Path) -> set[str]:
                 names = [node.module]
             found.update(names)
     return found
+
+
+LAYERS = (  # lowest first: a module imports its own package and the layers below it only
+    ("cluster.core",),  # plain data and logic; node/ imports these and nothing else of cluster
+    ("cluster.job",),  # running one job
+    ("cluster.serve", "cluster.rig"),  # side by side: neither imports the other
+    ("cluster.commands",),
+)
+
+
+def layer_of(module: str) -> tuple[int, str] | None:
+    """(layer, package) of a cluster module; None for the package root (its version)."""
+    for level, packages in enumerate(LAYERS):
+        for package in packages:
+            if module == package or module.startswith(package + "."):
+                return level, package
+    return None
+
+
+def test_each_module_lives_in_a_layer_and_imports_only_down():
+    for path in [*ROOT.glob("cluster/**/*.py"), *ROOT.glob("node/*.py")]:
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        deps = {d for d in imports(path) if d.startswith("cluster.")}
+        if name.startswith("node"):
+            wrong = [d for d in deps if not d.startswith("cluster.core")]
+            assert not wrong, f"{name} imports {wrong}: node/ may import cluster.core only"
+            continue
+        if name == "cluster":
+            continue
+        here = layer_of(name)
+        assert here is not None, f"{name} is in no layer: put it in a package of LAYERS"
+        for d in deps:
+            there = layer_of(d)
+            if there is None or there[1] == here[1]:
+                continue
+            assert there[0] < here[0], f"{name} (layer {here[1]}) imports {d} (layer {there[1]})"
 
 
 def test_layers_import_only_down_and_without_a_cycle():

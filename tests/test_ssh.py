@@ -193,10 +193,10 @@ def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
     rank exits."""
     import io
 
-    from cluster.hostfile import load_hostfile
-    from cluster.launcher import run_job
-    from cluster.protocol import END_OF_INPUT, KEEPALIVE
-    from cluster.spec import JobSpec
+    from cluster.core.hostfile import load_hostfile
+    from cluster.core.protocol import END_OF_INPUT, KEEPALIVE
+    from cluster.core.spec import JobSpec
+    from cluster.job.launcher import run_job
 
     typed = "first line\nzweite Zeile é\n".encode()
     fake = tmp_path / "python-echoes"

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, reference, run_cli
 from sshd import SSHD
 
-from cluster.transfer import MANIFEST
+from cluster.rig.transfer import MANIFEST
 
 pytestmark = pytest.mark.skipif(not Path(SSHD).exists(), reason="needs openssh-server")
 
@@ -49,7 +49,7 @@ def held(directory: Path) -> set[str]:
 
 
 def layer_files(model: Path, start: int, end: int) -> set[str]:
-    """From the index, independently of cluster.shards: files with a layer in [start, end)
+    """From the index, independently of cluster.core.shards: files with a layer in [start, end)
     or any weight outside the layers."""
     weight_map = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
     files = set()
@@ -478,14 +478,14 @@ def test_a_repo_missing_here_is_downloaded_only_the_files_the_ranks_need(models,
 
 
 def test_a_crafted_index_is_refused_before_any_byte_is_written(tmp_path):
-    """A repo whose weight_map names ../x or /tmp/x: refused here (cluster.shards), and by a
-    receiver fed such names directly (cluster.transfer), with nothing written anywhere."""
+    """A repo whose weight_map names ../x or /tmp/x: refused here (cluster.core.shards), and by a
+    receiver fed such names directly (cluster.rig.transfer), with nothing written anywhere."""
     import json as json_
 
-    from cluster.modelcheck import ModelError
-    from cluster.shards import bad_file_name, weight_files_for_layers
-    from cluster.transfer import bad_file_name as receivers_rule
-    from cluster.transfer import header
+    from cluster.core.modelcheck import ModelError
+    from cluster.core.shards import bad_file_name, weight_files_for_layers
+    from cluster.rig.transfer import bad_file_name as receivers_rule
+    from cluster.rig.transfer import header
 
     for evil in ("../x.safetensors", "/tmp/x.safetensors", "a/../../x", "a\\..\\x", ""):
         model = tmp_path / "crafted"
@@ -502,7 +502,13 @@ def test_a_crafted_index_is_refused_before_any_byte_is_written(tmp_path):
     dest.mkdir(parents=True)
     (tmp_path / "dest" / "link").symlink_to(tmp_path)  # a link out of the folder
     (dest / "out").symlink_to(tmp_path)
-    receiver = [sys.executable, str(ROOT / "cluster" / "transfer.py"), "receive", str(dest), "0"]
+    receiver = [
+        sys.executable,
+        str(ROOT / "cluster" / "rig" / "transfer.py"),
+        "receive",
+        str(dest),
+        "0",
+    ]
     for evil in ("../escaped", "/tmp/escaped-by-sync", "out/escaped"):
         state = json_.dumps({"op": "state", "sizes": {evil: 5}}).encode() + b"\n"
         p = subprocess.run(receiver, input=state, capture_output=True, timeout=30)

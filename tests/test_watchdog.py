@@ -1,4 +1,4 @@
-"""Liveness both ways, without processes: the launcher's stall rule (cluster.jobstate) and the
+"""Liveness both ways, without processes: the launcher's stall rule (cluster.job.state) and the
 rank's watch on its launcher (node.watchdog)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import signal
 import threading
 import time
 
-from cluster import protocol
-from cluster.jobstate import (
+from cluster.core import protocol
+from cluster.job.state import (
     JobState,
     RankState,
     blame_unreachable,

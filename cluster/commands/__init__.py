@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import click
 
-from .. import __version__
-from .bench import bench
-from .doctor import doctor
-from .rig import hostfile_group, install, sync
-from .run import chat, launch, serve
+from cluster import __version__
+from cluster.commands.bench import bench
+from cluster.commands.doctor import doctor
+from cluster.commands.rig import hostfile_group, install, sync
+from cluster.commands.run import chat, launch, serve
 
 
 @click.group()

@@ -9,8 +9,20 @@ from pathlib import Path
 
 import click
 
-from .. import __version__
-from ..bench import (
+from cluster import __version__
+from cluster.commands.options import (
+    DRAFT,
+    LAUNCH,
+    draft_of,
+    model_or_default,
+    resolve_hostfile,
+    with_options,
+)
+from cluster.core.hostfile import HostfileError
+from cluster.core.modelcheck import MODES, ModelError
+from cluster.core.spec import BenchSettings, JobSpec, LaunchSettings, default, pick
+from cluster.job.launcher import preflight
+from cluster.rig.bench import (
     BASELINES,
     BenchPlan,
     SweepStopped,
@@ -21,11 +33,6 @@ from ..bench import (
     run_sweep,
     table,
 )
-from ..hostfile import HostfileError
-from ..launcher import preflight
-from ..modelcheck import MODES, ModelError
-from ..spec import BenchSettings, JobSpec, LaunchSettings, default, pick
-from .options import DRAFT, LAUNCH, draft_of, model_or_default, resolve_hostfile, with_options
 
 
 def comma_choices(value: str, allowed, example: str, none_ok: bool = False) -> list[str]:

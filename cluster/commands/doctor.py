@@ -7,10 +7,10 @@ import sys
 
 import click
 
-from ..doctor import diagnose, link_problems, render, render_links
-from ..modelcheck import ModelError
-from ..spec import JobSpec, LaunchSettings, to_dict
-from .options import HOST, resolve_hostfile, run_or_exit, with_options
+from cluster.commands.options import HOST, resolve_hostfile, run_or_exit, with_options
+from cluster.core.modelcheck import ModelError
+from cluster.core.spec import JobSpec, LaunchSettings, to_dict
+from cluster.rig.doctor import diagnose, link_problems, render, render_links
 
 
 @click.command()

@@ -1,6 +1,6 @@
 """Options shared by the commands, each defined once and selected by name (``with_options``).
 
-Defaults come from the dataclasses of ``cluster.spec``, so a default lives in one place.
+Defaults come from the dataclasses of ``cluster.core.spec``, so a default lives in one place.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import time
 
 import click
 
-from ..hostfile import BACKENDS, Hostfile, HostfileError, load_hostfile, local_hostfile
-from ..launcher import LaunchError, run_job
-from ..modelcheck import MODES, default_draft_path, default_model_path
-from ..spec import (
+from cluster.core.hostfile import BACKENDS, Hostfile, HostfileError, load_hostfile, local_hostfile
+from cluster.core.modelcheck import MODES, default_draft_path, default_model_path
+from cluster.core.spec import (
     Draft,
     JobSpec,
     LaunchSettings,
@@ -25,6 +24,7 @@ from ..spec import (
     default,
     pick,
 )
+from cluster.job.launcher import LaunchError, run_job
 
 STARTED = time.perf_counter()
 MAX_IMAGE_BYTES = 64 * 1024 * 1024

@@ -8,12 +8,12 @@ from collections import Counter
 
 import click
 
-from ..doctor import INSTALL_PROBLEMS, fmt_bytes
-from ..hostfile import BACKENDS, HostfileError
-from ..modelcheck import ModelError
-from ..sync import FAN_OUTS, TRANSPORTS
-from ..topology import DEFAULT_SUBNETS
-from .options import HOST, HOSTFILE, resolve_hostfile, with_options
+from cluster.commands.options import HOST, HOSTFILE, resolve_hostfile, with_options
+from cluster.core.hostfile import BACKENDS, HostfileError
+from cluster.core.modelcheck import ModelError
+from cluster.rig.doctor import INSTALL_PROBLEMS, fmt_bytes
+from cluster.rig.sync import FAN_OUTS, TRANSPORTS
+from cluster.rig.topology import DEFAULT_SUBNETS
 
 
 def stderr_progress():
@@ -124,7 +124,7 @@ def sync(
       mlx-cluster sync --hostfile rig.yaml --model mlx-community/Llama-3.3-70B-4bit --mode tensor
       mlx-cluster sync --hostfile rig.yaml --model ~/models/Kimi-K2 --transport tcp --verify
     """
-    from ..sync import SyncSettings, run_sync
+    from cluster.rig.sync import SyncSettings, run_sync
 
     if model is None:
         raise click.UsageError("--model is required: the model directory (or repo) to copy")
@@ -192,7 +192,7 @@ def hostfile_check(hf):
     host and field named when something is wrong. `mlx-cluster doctor` then checks the hosts
     themselves.
     """
-    from ..backends import rank_envs
+    from cluster.job.backends import rank_envs
 
     try:
         rank_envs(hf)  # the backend's own checks (rdma devices, addresses)
@@ -242,7 +242,7 @@ def hostfile_convert(hf, fmt, output):
       mlx-cluster hostfile convert rig.yaml -o rig.json && mlx.launch --hostfile rig.json ...
       mlx-cluster hostfile convert rig.json -o rig.yaml
     """
-    from ..hostfile import dump_yaml, mlx_launch_json
+    from cluster.core.hostfile import dump_yaml, mlx_launch_json
 
     fmt = fmt or ("yaml" if str(hf.path).endswith(".json") else "json")
     if fmt == "json":
@@ -265,8 +265,8 @@ def gather(hf, accept_new: bool) -> dict[str, dict[str, str | None]]:
     """Each host's outputs of the discovery commands, over SSH (in parallel)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..ssh import SSHError, host_shell
-    from ..topology import COMMANDS, TopologyError
+    from cluster.job.ssh import SSHError, host_shell
+    from cluster.rig.topology import COMMANDS, TopologyError
 
     def one(host):
         outputs: dict[str, str | None] = {}
@@ -293,7 +293,7 @@ def read_saved(directory: str, names: list[str]) -> dict[str, dict[str, str | No
     """Outputs saved as DIR/<host>/<file> (see COMMANDS); a missing optional one is None."""
     from pathlib import Path
 
-    from ..topology import COMMANDS, TopologyError
+    from cluster.rig.topology import COMMANDS, TopologyError
 
     outputs = {}
     for name in names:
@@ -310,7 +310,7 @@ def read_saved(directory: str, names: list[str]) -> dict[str, dict[str, str | No
 def save_outputs(directory: str, outputs: dict[str, dict[str, str | None]]) -> None:
     from pathlib import Path
 
-    from ..topology import COMMANDS
+    from cluster.rig.topology import COMMANDS
 
     for name, found in outputs.items():
         d = Path(directory) / name
@@ -322,7 +322,7 @@ def save_outputs(directory: str, outputs: dict[str, dict[str, str | None]]) -> N
 
 def discovered_yaml(hf, plan) -> str:
     """The hostfile, checked by our own parser, with each host's setup commands on top."""
-    from ..hostfile import dump_yaml, parse_hostfile
+    from cluster.core.hostfile import dump_yaml, parse_hostfile
 
     found = parse_hostfile({"backend": plan.backend, "hosts": plan.hosts}, "<discovered>")
     found.ssh = hf.ssh  # how to reach the hosts stays as it was given
@@ -337,7 +337,7 @@ def discovered_yaml(hf, plan) -> str:
 
 def apply_commands(hf, plan, accept_new: bool) -> list[str]:
     """Run each host's commands with passwordless sudo; the failures, host named."""
-    from ..ssh import SSHError, host_shell
+    from cluster.job.ssh import SSHError, host_shell
 
     failures = []
     for host in hf.hosts:
@@ -410,9 +410,9 @@ def hostfile_discover(
       mlx-cluster hostfile discover --hosts studio-1.local,studio-2.local -o rig.yaml
       mlx-cluster hostfile discover --hosts m1,m2,m3,m4 --backend jaccl --apply -o rig.yaml
     """
-    from ..hostfile import parse_hostfile, split_target
-    from ..topology import TopologyError, parse_node
-    from ..topology import plan as make_plan
+    from cluster.core.hostfile import parse_hostfile, split_target
+    from cluster.rig.topology import TopologyError, parse_node
+    from cluster.rig.topology import plan as make_plan
 
     if bool(hosts) == bool(from_hostfile):
         raise click.UsageError("give the Macs with either --hosts A,B,... or --hostfile FILE")
@@ -508,8 +508,8 @@ def install(
       mlx-cluster install --hostfile rig.yaml
       mlx-cluster install --hostfile rig.yaml --index-via-here   # hosts with no internet
     """
-    from ..doctor import diagnose
-    from ..install import InstallError, run_install
+    from cluster.rig.doctor import diagnose
+    from cluster.rig.install import InstallError, run_install
 
     hf = resolve_hostfile(hostfile, num_ranks, backend)
     click.echo("mlx-cluster: building the wheel and installing it on every host", err=True)

@@ -8,18 +8,7 @@ import sys
 
 import click
 
-from ..jobstate import JobResult
-from ..spec import (
-    JobSpec,
-    LaunchSettings,
-    Request,
-    Sampling,
-    ServeSettings,
-    Template,
-    default,
-    pick,
-)
-from .options import (
+from cluster.commands.options import (
     STARTED,
     draft_of,
     job_options,
@@ -30,6 +19,17 @@ from .options import (
     sampling_options,
     with_options,
 )
+from cluster.core.spec import (
+    JobSpec,
+    LaunchSettings,
+    Request,
+    Sampling,
+    ServeSettings,
+    Template,
+    default,
+    pick,
+)
+from cluster.job.state import JobResult
 
 
 def job_spec(command: str, values: dict, **fields) -> JobSpec:
@@ -219,7 +219,7 @@ def serve(**values):
       ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_API_KEY=none python my_agent.py
       curl -s 127.0.0.1:8080/health; curl -s 127.0.0.1:8080/metrics
     """
-    from ..serving import serve_until_done
+    from cluster.serve.service import serve_until_done
 
     hf, settings = hosts_and_launch(values)
     sys.exit(serve_until_done(hf, job_spec("serve", values), settings, started=STARTED))

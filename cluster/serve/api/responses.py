@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .api import (
+from cluster.core.protocol import Piece, ToolCall
+from cluster.core.spec import ServeRequest, Template
+from cluster.serve.api.openai import MAX_TOP_LOGPROBS, check_response_format, text_of, tool_choice
+from cluster.serve.api.shared import (
     MAX_MESSAGES,
     MAX_PARTS,
     Answer,
@@ -30,9 +33,6 @@ from .api import (
     number,
     sampling,
 )
-from .api_openai import MAX_TOP_LOGPROBS, check_response_format, text_of, tool_choice
-from .protocol import Piece, ToolCall
-from .spec import ServeRequest, Template
 
 SAMPLING_FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -145,25 +145,25 @@ class Responses:
             logprobs=(top or 0) if wanted or top else None,
         )
 
-    def reply(self, job: ApiRequest, answer: Answer) -> dict:
+    def reply(self, req: ApiRequest, answer: Answer) -> dict:
         items = []
         if answer.reasoning:
-            items.append(reasoning_item(job, answer.reasoning))
+            items.append(reasoning_item(req, answer.reasoning))
         if answer.content or not answer.tool_calls:
-            items.append(message_item(job, answer.content, answer.logprobs))
-        items += [function_item(job, c) for c in answer.tool_calls]
-        return response_body(job, items, answer.result)
+            items.append(message_item(req, answer.content, answer.logprobs))
+        items += [function_item(req, c) for c in answer.tool_calls]
+        return response_body(req, items, answer.result)
 
-    def events(self, job: ApiRequest) -> ResponseStream:
-        return ResponseStream(job)
+    def events(self, req: ApiRequest) -> ResponseStream:
+        return ResponseStream(req)
 
     def error_body(self, e: RequestError) -> dict:
         return error_body(e)
 
 
-def reasoning_item(job: ApiRequest, text: str, done: bool = True) -> dict:
+def reasoning_item(req: ApiRequest, text: str, done: bool = True) -> dict:
     return {
-        "id": f"rs_{job.id}",
+        "id": f"rs_{req.id}",
         "type": "reasoning",
         "summary": [],
         "content": [{"type": "reasoning_text", "text": text}] if done else [],
@@ -175,9 +175,9 @@ def output_text(text: str, logprobs: list[dict]) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
-def message_item(job: ApiRequest, text: str, logprobs: list[dict], done: bool = True) -> dict:
+def message_item(req: ApiRequest, text: str, logprobs: list[dict], done: bool = True) -> dict:
     return {
-        "id": f"msg_{job.id}",
+        "id": f"msg_{req.id}",
         "type": "message",
         "role": "assistant",
         "status": "completed" if done else "in_progress",
@@ -185,21 +185,21 @@ def message_item(job: ApiRequest, text: str, logprobs: list[dict], done: bool = 
     }
 
 
-def function_item(job: ApiRequest, call: ToolCall, done: bool = True) -> dict:
+def function_item(req: ApiRequest, call: ToolCall, done: bool = True) -> dict:
     return {
-        "id": f"fc_{job.id}{call.index}",
+        "id": f"fc_{req.id}{call.index}",
         "type": "function_call",
-        "call_id": call_id(call, "call_", job),
+        "call_id": call_id(call, "call_", req),
         "name": call.name,
         "arguments": call.arguments if done else "",
         "status": "completed" if done else "in_progress",
     }
 
 
-def response_body(job: ApiRequest, output: list[dict], result: dict | None,
+def response_body(req: ApiRequest, output: list[dict], result: dict | None,
                   status: str | None = None) -> dict:  # fmt: skip
     """The response object: in progress (no result yet) or ended (its usage, its status)."""
-    body = job.body
+    body = req.body
     incomplete = None
     if result is not None:
         reason = result.get("finish_reason")
@@ -209,11 +209,11 @@ def response_body(job: ApiRequest, output: list[dict], result: dict | None,
             incomplete = {"reason": "cancelled"}
         status = status or ("incomplete" if incomplete else "completed")
     out = {
-        "id": f"resp_{job.id}",
+        "id": f"resp_{req.id}",
         "object": "response",
-        "created_at": job.created,
+        "created_at": req.created,
         "status": status or "in_progress",
-        "model": job.model,
+        "model": req.model,
         "output": output,
         "instructions": body.get("instructions"),
         "tools": body.get("tools") or [],
@@ -251,8 +251,8 @@ class ResponseStream:
 
     done = b""
 
-    def __init__(self, job: ApiRequest):
-        self.job = job
+    def __init__(self, req: ApiRequest):
+        self.req = req
         self.sequence = 0
         self.items: list[dict] = []  # output items done so far
         self.open: str | None = None  # "reasoning" or "message" while one is open
@@ -265,8 +265,8 @@ class ResponseStream:
         return kind, payload
 
     def start(self):
-        yield self.event("response.created", response=response_body(self.job, [], None))
-        yield self.event("response.in_progress", response=response_body(self.job, [], None))
+        yield self.event("response.created", response=response_body(self.req, [], None))
+        yield self.event("response.in_progress", response=response_body(self.req, [], None))
 
     def opened(self, kind: str):
         """Open an item of ``kind`` (closing another first)."""
@@ -276,10 +276,10 @@ class ResponseStream:
         self.open, self.text, self.logprobs = kind, "", []
         index = len(self.items)
         if kind == "reasoning":
-            item = reasoning_item(self.job, "", done=False)
+            item = reasoning_item(self.req, "", done=False)
             yield self.event("response.output_item.added", output_index=index, item=item)
         else:
-            item = message_item(self.job, "", [], done=False)
+            item = message_item(self.req, "", [], done=False)
             yield self.event("response.output_item.added", output_index=index, item=item)
             yield self.event(
                 "response.content_part.added",
@@ -292,7 +292,7 @@ class ResponseStream:
     def close(self):
         index = len(self.items)
         if self.open == "reasoning":
-            item = reasoning_item(self.job, self.text)
+            item = reasoning_item(self.req, self.text)
             yield self.event(
                 "response.reasoning_text.done",
                 item_id=item["id"],
@@ -301,7 +301,7 @@ class ResponseStream:
                 text=self.text,
             )
         elif self.open == "message":
-            item = message_item(self.job, self.text, self.logprobs)
+            item = message_item(self.req, self.text, self.logprobs)
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
             yield self.event(
                 "response.output_text.done", **where, text=self.text, logprobs=self.logprobs
@@ -323,7 +323,7 @@ class ResponseStream:
         if kind == "reasoning":
             yield self.event(
                 "response.reasoning_text.delta",
-                item_id=f"rs_{self.job.id}",
+                item_id=f"rs_{self.req.id}",
                 output_index=index,
                 content_index=0,
                 delta=piece.text,
@@ -332,7 +332,7 @@ class ResponseStream:
             self.logprobs += piece.logprobs or []
             yield self.event(
                 "response.output_text.delta",
-                item_id=f"msg_{self.job.id}",
+                item_id=f"msg_{self.req.id}",
                 output_index=index,
                 content_index=0,
                 delta=piece.text,
@@ -342,7 +342,7 @@ class ResponseStream:
     def tool_call(self, call: ToolCall):
         yield from self.close()
         index = len(self.items)
-        item = function_item(self.job, call, done=False)
+        item = function_item(self.req, call, done=False)
         yield self.event("response.output_item.added", output_index=index, item=item)
         where = {"item_id": item["id"], "output_index": index}
         yield self.event("response.function_call_arguments.delta", **where, delta=call.arguments)
@@ -352,7 +352,7 @@ class ResponseStream:
             name=call.name,
             arguments=call.arguments,
         )
-        item = function_item(self.job, call)
+        item = function_item(self.req, call)
         yield self.event("response.output_item.done", output_index=index, item=item)
         self.items.append(item)
 
@@ -360,12 +360,12 @@ class ResponseStream:
         if not self.items and self.open is None:  # an empty answer is still a message
             yield from self.opened("message")
         yield from self.close()
-        body = response_body(self.job, self.items, answer.result)
+        body = response_body(self.req, self.items, answer.result)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         yield self.event(kind, response=body)
 
     def fail(self, e: RequestError):
         yield from self.close()
-        body = response_body(self.job, self.items, None, status="failed")
+        body = response_body(self.req, self.items, None, status="failed")
         body["error"] = {"code": "server_error", "message": str(e)}
         yield self.event("response.failed", response=body)

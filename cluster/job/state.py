@@ -1,6 +1,6 @@
 """The launcher's bookkeeping of one job, as plain functions of (state, event).
 
-No processes, no I/O: ``cluster.launcher`` feeds what the ranks say into ``on_event`` /
+No processes, no I/O: ``cluster.job.launcher`` feeds what the ranks say into ``on_event`` /
 ``on_exit`` / ``overdue`` and prints what they return; tests drive them directly. The failure
 report (which rank failed first, on which host, doing what, and what to do) is built here too.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .protocol import (
+from cluster.core.protocol import (
     AwaitingInput,
     Beat,
     BenchComm,

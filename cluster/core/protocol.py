@@ -13,13 +13,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .spec import from_dict, to_dict
+from cluster.core.spec import from_dict, to_dict
 
 EVENT_PREFIX = "\x1emlx-cluster "
 CANCEL = b"\x03"  # launcher -> rank 0's stdin: Ctrl-C in chat, end the current answer
 # launcher -> rank 0's stdin: no more input, finish and quit. Chat: our stdin reached EOF (the
 # pipe stays open, so a later Ctrl-C's CANCEL still arrives); serve: SIGINT/SIGTERM, drain.
-# Serve's requests travel on the same channel as JSON lines (cluster.spec.ServeRequest); JSON
+# Serve's requests travel on the same channel as JSON lines (cluster.core.spec.ServeRequest); JSON
 # escapes every control byte, so none of these can occur inside one.
 END_OF_INPUT = b"\x04"
 # launcher -> every rank's stdin, once a second: the launcher is still there (node.watchdog)

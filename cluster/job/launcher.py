@@ -3,7 +3,7 @@
 Whatever happens (a rank fails, the user presses Ctrl-C, the launcher gets SIGTERM), every rank
 is stopped and waited for before we return, and the report names the rank, its host, what it
 was doing and the last lines it printed. The bookkeeping (who said what, who failed first) is
-``cluster.jobstate``; this module is the I/O around it.
+``cluster.job.state``; this module is the I/O around it.
 """
 
 from __future__ import annotations
@@ -20,9 +20,30 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Protocol
 
-from .backends import port_in_use, rank_envs, ring_ports
-from .hostfile import Hostfile, rank_model_path, split_weights
-from .jobstate import (
+from cluster.core.hostfile import Hostfile, rank_model_path, split_weights
+from cluster.core.modelcheck import (
+    ModelError,
+    check_request,
+    choose_split,
+    looks_like_repo,
+    read_config,
+)
+from cluster.core.protocol import (
+    CANCEL,
+    END_OF_INPUT,
+    KEEPALIVE,
+    KEEPALIVE_S,
+    AwaitingInput,
+    Error,
+    Event,
+    Ready,
+    decode_event,
+)
+from cluster.core.spec import JobSpec, LaunchSettings
+from cluster.core.tensorplan import check_mode
+from cluster.job.backends import port_in_use, rank_envs, ring_ports
+from cluster.job.process import STOP_GRACE_S, LocalRank, RankLaunch, make_job_dir, rank_python
+from cluster.job.state import (
     JobResult,
     JobState,
     RankState,
@@ -36,27 +57,6 @@ from .jobstate import (
     ready_line,
     silent_ranks,
 )
-from .modelcheck import (
-    ModelError,
-    check_request,
-    choose_split,
-    looks_like_repo,
-    read_config,
-)
-from .process import STOP_GRACE_S, LocalRank, RankLaunch, make_job_dir, rank_python
-from .protocol import (
-    CANCEL,
-    END_OF_INPUT,
-    KEEPALIVE,
-    KEEPALIVE_S,
-    AwaitingInput,
-    Error,
-    Event,
-    Ready,
-    decode_event,
-)
-from .spec import JobSpec, LaunchSettings
-from .tensorplan import check_mode
 
 
 class LaunchError(RuntimeError):
@@ -70,7 +70,7 @@ class LaunchError(RuntimeError):
 
 
 class JobLink(Protocol):
-    """What a caller that talks to a running job gets (serve's cluster.serving.Service)."""
+    """What a caller that talks to a running job gets (serve's cluster.serve.service.Service)."""
 
     def attach(self, send: Callable[[bytes], None], state: JobState) -> None:
         """The ranks started; ``send`` writes to rank 0's channel."""
@@ -178,7 +178,7 @@ def open_ranks(
     if remote_hosts:
         from concurrent.futures import ThreadPoolExecutor
 
-        from .ssh import RemoteRank, SSHError, connect
+        from cluster.job.ssh import RemoteRank, SSHError, connect
 
         with ThreadPoolExecutor(max_workers=min(16, len(remote_hosts))) as pool:
             futures = {
@@ -211,7 +211,7 @@ def open_ranks(
 
 class RankWatch:
     """The I/O loop of one running job: starts the ranks, takes their output off the queue,
-    feeds it to ``cluster.jobstate`` and prints what that says."""
+    feeds it to ``cluster.job.state`` and prints what that says."""
 
     def __init__(
         self,

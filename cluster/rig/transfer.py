@@ -130,7 +130,7 @@ def update_manifest(directory: str, name: str, entry: dict | None) -> None:
 
 
 def bad_file_name(name: object) -> str | None:
-    """The rule of cluster.shards.bad_file_name, again here: this file runs alone on a host
+    """The rule of cluster.core.shards.bad_file_name, again here: this file runs alone on a host
     (sent as text), so it can import nothing of the package."""
     if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
         return f"is not a file name ({name!r})"

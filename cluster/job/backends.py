@@ -11,7 +11,7 @@ import json
 import socket
 from dataclasses import dataclass, field
 
-from .hostfile import Host, Hostfile, HostfileError
+from cluster.core.hostfile import Host, Hostfile, HostfileError
 
 
 @dataclass

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .api import (
+from cluster.core.protocol import Piece, ToolCall
+from cluster.core.spec import ServeRequest, Template
+from cluster.serve.api.shared import (
     MAX_MESSAGES,
     MAX_PARTS,
     Answer,
@@ -31,10 +33,8 @@ from .api import (
     sampling,
     stop_strings,
 )
-from .protocol import Piece, ToolCall
-from .spec import ServeRequest, Template
 
-SAMPLING_FIELDS = {  # OpenAI field -> our setting (its range: cluster.api.RANGES)
+SAMPLING_FIELDS = {  # OpenAI field -> our setting (its range: cluster.serve.api.shared.RANGES)
     "temperature": "temp",
     "top_p": "top_p",
     "top_k": "top_k",
@@ -205,7 +205,7 @@ class ChatCompletions:
             logprobs=chat_logprobs(body),
         )
 
-    def reply(self, job: ApiRequest, answer: Answer) -> dict:
+    def reply(self, req: ApiRequest, answer: Answer) -> dict:
         result = answer.result
         message: dict[str, Any] = {
             "role": "assistant",
@@ -214,37 +214,37 @@ class ChatCompletions:
         if answer.reasoning:
             message["reasoning_content"] = answer.reasoning
         if answer.tool_calls:
-            message["tool_calls"] = [tool_call(job, c) for c in answer.tool_calls]
+            message["tool_calls"] = [tool_call(req, c) for c in answer.tool_calls]
         choice = {
             "index": 0,
             "message": message,
-            "logprobs": {"content": answer.logprobs} if job.request.logprobs is not None else None,
+            "logprobs": {"content": answer.logprobs} if req.request.logprobs is not None else None,
             "finish_reason": result["finish_reason"],
         }
-        return body_of(job, "chat.completion", [choice], result)
+        return body_of(req, "chat.completion", [choice], result)
 
-    def events(self, job: ApiRequest) -> ChatStream:
-        return ChatStream(job)
+    def events(self, req: ApiRequest) -> ChatStream:
+        return ChatStream(req)
 
     def error_body(self, e: RequestError) -> dict:
         return error_body(e)
 
 
-def tool_call(job: ApiRequest, call: ToolCall, streaming: bool = False) -> dict:
+def tool_call(req: ApiRequest, call: ToolCall, streaming: bool = False) -> dict:
     out = {
-        "id": call_id(call, "call_", job),
+        "id": call_id(call, "call_", req),
         "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
     }
     return {"index": call.index, **out} if streaming else out
 
 
-def body_of(job: ApiRequest, obj: str, choices: list, result: dict | None) -> dict:
+def body_of(req: ApiRequest, obj: str, choices: list, result: dict | None) -> dict:
     body = {
-        "id": ("chatcmpl-" if obj.startswith("chat") else "cmpl-") + job.id,
+        "id": ("chatcmpl-" if obj.startswith("chat") else "cmpl-") + req.id,
         "object": obj,
-        "created": job.created,
-        "model": job.model,
+        "created": req.created,
+        "model": req.model,
         "choices": choices,
     }
     if result is not None:
@@ -257,12 +257,12 @@ def body_of(job: ApiRequest, obj: str, choices: list, result: dict | None) -> di
 class ChatStream:
     done = b"data: [DONE]\n\n"
 
-    def __init__(self, job: ApiRequest):
-        self.job = job
+    def __init__(self, req: ApiRequest):
+        self.req = req
 
     def chunk(self, delta: dict, finish: str | None = None, logprobs=None) -> tuple:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return None, body_of(self.job, "chat.completion.chunk", [choice], None)
+        return None, body_of(self.req, "chat.completion.chunk", [choice], None)
 
     def start(self):
         yield self.chunk({"role": "assistant", "content": ""})
@@ -276,13 +276,13 @@ class ChatStream:
         )
 
     def tool_call(self, call: ToolCall):
-        yield self.chunk({"tool_calls": [tool_call(self.job, call, streaming=True)]})
+        yield self.chunk({"tool_calls": [tool_call(self.req, call, streaming=True)]})
 
     def end(self, answer: Answer):
         yield self.chunk({}, answer.result["finish_reason"])
-        options = self.job.body.get("stream_options") or {}
+        options = self.req.body.get("stream_options") or {}
         if options.get("include_usage"):
-            usage = body_of(self.job, "chat.completion.chunk", [], answer.result)
+            usage = body_of(self.req, "chat.completion.chunk", [], answer.result)
             usage.pop("timings", None)
             yield None, usage
 
@@ -341,18 +341,18 @@ class Completions:
             logprobs=top,
         )
 
-    def reply(self, job: ApiRequest, answer: Answer) -> dict:
-        wanted = job.request.logprobs is not None
+    def reply(self, req: ApiRequest, answer: Answer) -> dict:
+        wanted = req.request.logprobs is not None
         choice = {
             "index": 0,
             "text": answer.content,
             "logprobs": legacy_logprobs(answer.logprobs) if wanted else None,
             "finish_reason": answer.result["finish_reason"],
         }
-        return body_of(job, "text_completion", [choice], answer.result)
+        return body_of(req, "text_completion", [choice], answer.result)
 
-    def events(self, job: ApiRequest) -> CompletionStream:
-        return CompletionStream(job)
+    def events(self, req: ApiRequest) -> CompletionStream:
+        return CompletionStream(req)
 
     def error_body(self, e: RequestError) -> dict:
         return error_body(e)
@@ -361,13 +361,13 @@ class Completions:
 class CompletionStream:
     done = b"data: [DONE]\n\n"
 
-    def __init__(self, job: ApiRequest):
-        self.job = job
+    def __init__(self, req: ApiRequest):
+        self.req = req
         self.offset = 0
 
     def chunk(self, text: str, finish: str | None = None, logprobs=None) -> tuple:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return None, body_of(self.job, "text_completion", [choice], None)
+        return None, body_of(self.req, "text_completion", [choice], None)
 
     def start(self):
         return ()
@@ -383,9 +383,9 @@ class CompletionStream:
 
     def end(self, answer: Answer):
         yield self.chunk("", answer.result["finish_reason"])
-        options = self.job.body.get("stream_options") or {}
+        options = self.req.body.get("stream_options") or {}
         if options.get("include_usage"):
-            usage = body_of(self.job, "text_completion", [], answer.result)
+            usage = body_of(self.req, "text_completion", [], answer.result)
             usage.pop("timings", None)
             yield None, usage
 

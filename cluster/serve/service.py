@@ -1,5 +1,5 @@
-"""`serve` that outlives its ranks: the API (cluster/apiserver.py) runs in this process, the
-ranks run as a job (cluster/launcher.py), and a failed job is started again.
+"""`serve` that outlives its ranks: the API (cluster/serve/http.py) runs in this process, the
+ranks run as a job (cluster/job/launcher.py), and a failed job is started again.
 
 Requests wait in ``pending`` while no job is ready (at start, during a restart); a ready rank 0
 gets each one as a JSON line on its channel and answers with events (node/serve.py). When the
@@ -27,18 +27,34 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO
 
-from .api import END, RESTART, ApiRequest, Door, RequestError
-from .apiserver import Api
-from .hostfile import Host, Hostfile
-from .jobstate import JobState
-from .launcher import Interrupted, LaunchError, log, restore_signals, run_job, trap_signals
-from .metrics import Metrics
-from .modelcheck import MEMORY_FRACTION, ModelError, read_config, text_config
-from .protocol import END_OF_INPUT, Counted, Event, Piece, Refused, Serving, Stats, ToolCall
-from .spec import JobSpec, LaunchSettings, ServeSettings, to_dict
+from cluster.core.hostfile import Host, Hostfile
+from cluster.core.modelcheck import model_id
+from cluster.core.protocol import (
+    END_OF_INPUT,
+    Counted,
+    Event,
+    Piece,
+    Refused,
+    Serving,
+    Stats,
+    ToolCall,
+)
+from cluster.core.spec import JobSpec, LaunchSettings, to_dict
+from cluster.job.launcher import (
+    Interrupted,
+    LaunchError,
+    log,
+    restore_signals,
+    run_job,
+    trap_signals,
+)
+from cluster.job.memory import fits
+from cluster.job.state import JobState
+from cluster.serve.api.shared import END, RESTART, ApiRequest, Door, RequestError
+from cluster.serve.http import Api
+from cluster.serve.metrics import Metrics
 
 REAP_EVERY_S = 0.25
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # waits for a lost host to answer again
@@ -59,7 +75,7 @@ class Failure:
 class Flight:
     """A request rank 0 has, from the line sent to its end."""
 
-    job: ApiRequest
+    req: ApiRequest
     shown: bool = False  # text reached the client's queue
     last: float = 0.0  # when the last text came
     gone: bool = False  # the client left; its end is dropped
@@ -76,8 +92,7 @@ class Service:
     thread, so a test is a plain sequence of events."""
 
     def __init__(self, hostfile: Hostfile, spec: JobSpec, stderr: IO[str], thread: bool = True):
-        local = Path(spec.model).expanduser()
-        self.model_id = local.name if local.exists() else spec.model
+        self.model_id = model_id(spec.model)
         self.spec = spec
         self.settings = spec.serve
         self.door = Door(frozenset({self.model_id, spec.model}), spec.serve.max_tokens_cap)
@@ -137,17 +152,17 @@ class Service:
 
     # the API's side
 
-    def submit(self, job: ApiRequest) -> None:
-        self.post(self.take, job)
+    def submit(self, req: ApiRequest) -> None:
+        self.post(self.take, req)
 
-    def cancel(self, job: ApiRequest) -> None:
+    def cancel(self, req: ApiRequest) -> None:
         """The client went away: rank 0 drops its request at its next round."""
-        self.post(self.drop, job)
+        self.post(self.drop, req)
 
     def health(self) -> dict:
         return self.ask(self.describe)
 
-    # the job's side (cluster.launcher.JobLink)
+    # the job's side (cluster.job.launcher.JobLink)
 
     def attach(self, send, state: JobState) -> None:
         outbox: queue.Queue[bytes | None] = queue.Queue()
@@ -181,24 +196,24 @@ class Service:
 
     # the loop's own: every change of state is here
 
-    def take(self, job: ApiRequest) -> None:
+    def take(self, req: ApiRequest) -> None:
         if self.draining_now or self.closed:
-            self.refuse(job, RequestError(503, "the server is shutting down", "server_error"))
+            self.refuse(req, RequestError(503, "the server is shutting down", "server_error"))
         elif self.ready:
-            self.send(job)
+            self.send(req)
         else:
-            self.pending.append(job)
-            self.waiting_since[job.id] = time.monotonic()
+            self.pending.append(req)
+            self.waiting_since[req.id] = time.monotonic()
             self.metrics.queued.set(len(self.pending))
 
-    def drop(self, job: ApiRequest) -> None:
-        if job in self.pending:
-            self.pending.remove(job)
+    def drop(self, req: ApiRequest) -> None:
+        if req in self.pending:
+            self.pending.remove(req)
             self.metrics.queued.set(len(self.pending))
-        flight = self.inflight.get(job.id)
+        flight = self.inflight.get(req.id)
         if flight is not None and not flight.gone:
             flight.gone = True
-            self.write({"op": "cancel", "id": job.id})
+            self.write({"op": "cancel", "id": req.id})
         self.metrics.finished("cancelled")
 
     def describe(self) -> dict:
@@ -251,29 +266,29 @@ class Service:
         flight = self.inflight.get(getattr(event, "request", None) or "")
         if flight is None:
             return
-        job = flight.job
+        req = flight.req
         if isinstance(event, (Piece, ToolCall)):
             if not flight.shown:
-                self.metrics.ttft.observe(now - job.arrived)
+                self.metrics.ttft.observe(now - req.arrived)
             else:
                 self.metrics.token_latency.observe(now - flight.last)
             flight.shown, flight.last = True, now
-            job.chunks.put(event)
+            req.chunks.put(event)
         elif isinstance(event, Counted):
-            del self.inflight[job.id]
-            job.result = {"prompt_tokens": event.prompt_tokens}
-            job.chunks.put(END)
+            del self.inflight[req.id]
+            req.result = {"prompt_tokens": event.prompt_tokens}
+            req.chunks.put(END)
             self.metrics.finished(200)
         elif isinstance(event, Stats):
-            del self.inflight[job.id]
-            job.result = to_dict(event)
-            job.chunks.put(END)
+            del self.inflight[req.id]
+            req.result = to_dict(event)
+            req.chunks.put(END)
             if not flight.gone:
                 self.metrics.answered(event.usage)
         elif isinstance(event, Refused):
-            del self.inflight[job.id]
+            del self.inflight[req.id]
             kind = "server_error" if event.status >= 500 else "invalid_request_error"
-            self.refuse(job, RequestError(event.status, event.message, kind))
+            self.refuse(req, RequestError(event.status, event.message, kind))
 
     def became_ready(self, event: Serving, now: float) -> None:
         self.ready = self.served = True
@@ -310,36 +325,36 @@ class Service:
         self.failures.append(failure)
         again, cut = [], 0
         for flight in self.inflight.values():
-            job = flight.job
+            req = flight.req
             if flight.gone:
                 continue
-            job.failures_seen += 1
-            if job.stream and flight.shown:
+            req.failures_seen += 1
+            if req.stream and flight.shown:
                 message = f"the answer was cut: {why}; the ranks restart; send the request again"
-                job.chunks.put(RequestError(502, message, "server_error"))
+                req.chunks.put(RequestError(502, message, "server_error"))
                 self.metrics.finished("stream_error")
                 cut += 1
-            elif job.failures_seen > MOST_FAILURES_SEEN:
-                failure.dropped.append(job.id)
+            elif req.failures_seen > MOST_FAILURES_SEEN:
+                failure.dropped.append(req.id)
                 message = (
-                    f"the ranks failed {job.failures_seen} times while this request was under "
+                    f"the ranks failed {req.failures_seen} times while this request was under "
                     f"way (last: {why}); it is not decoded again"
                 )
-                self.refuse(job, RequestError(500, message, "server_error"))
+                self.refuse(req, RequestError(500, message, "server_error"))
                 log(
                     self.stderr,
-                    f"request {job.id} was under way at {job.failures_seen} failures of the "
+                    f"request {req.id} was under way at {req.failures_seen} failures of the "
                     "ranks: answered with an error, not replayed",
                 )
             else:
                 if flight.shown:
-                    job.chunks.put(RESTART)
-                again.append(job)
+                    req.chunks.put(RESTART)
+                again.append(req)
         self.inflight.clear()
         now = time.monotonic()
-        for job in reversed(again):  # first in line, in their order of arrival
-            self.pending.appendleft(job)
-            self.waiting_since[job.id] = now
+        for req in reversed(again):  # first in line, in their order of arrival
+            self.pending.appendleft(req)
+            self.waiting_since[req.id] = now
         self.metrics.queued.set(len(self.pending))
         if again or cut or failure.dropped:
             log(
@@ -350,11 +365,11 @@ class Service:
 
     def closing(self, why: str) -> None:
         self.closed = True
-        for job in self.pending:
-            self.refuse(job, RequestError(503, why, "server_error"))
+        for req in self.pending:
+            self.refuse(req, RequestError(503, why, "server_error"))
         self.pending.clear()
         for flight in self.inflight.values():
-            self.refuse(flight.job, RequestError(503, why, "server_error"))
+            self.refuse(flight.req, RequestError(503, why, "server_error"))
         self.inflight.clear()
 
     def reap(self, now: float) -> None:
@@ -364,27 +379,27 @@ class Service:
             for j in self.pending
             if now - self.waiting_since.get(j.id, now) > self.settings.restart_wait
         ]
-        for job in late:
-            self.pending.remove(job)
+        for req in late:
+            self.pending.remove(req)
             status = "restarting" if self.failures else "starting"
             message = (
                 f"the ranks are not ready after {self.settings.restart_wait:g} s "
                 f"({status}); retry later"
             )
-            self.refuse(job, RequestError(503, message, "server_error", retry_after=10))
+            self.refuse(req, RequestError(503, message, "server_error", retry_after=10))
         if late:
             self.metrics.queued.set(len(self.pending))
 
-    def send(self, job: ApiRequest) -> None:
-        self.inflight[job.id] = Flight(job)
-        self.write({"op": "request", "request": to_dict(job.to_rank0())})
+    def send(self, req: ApiRequest) -> None:
+        self.inflight[req.id] = Flight(req)
+        self.write({"op": "request", "request": to_dict(req.to_rank0())})
 
     def write(self, message: dict) -> None:
         if self.outbox is not None:
             self.outbox.put(json.dumps(message).encode() + b"\n")
 
-    def refuse(self, job: ApiRequest, e: RequestError) -> None:
-        job.chunks.put(e)
+    def refuse(self, req: ApiRequest, e: RequestError) -> None:
+        req.chunks.put(e)
         self.metrics.finished(e.status)
 
 
@@ -396,66 +411,6 @@ def first_line(error: LaunchError) -> str:
 def without_hosts(hostfile: Hostfile, lost: list[int]) -> Hostfile:
     """The hostfile minus the lost hosts (each keeps its index, so logs still name it)."""
     return dataclasses.replace(hostfile, hosts=[h for h in hostfile.hosts if h.index not in lost])
-
-
-def fits(hostfile: Hostfile, spec: JobSpec) -> str | None:
-    """None when each rank's weights and the KV cache serve needs fit under the cap a rank
-    sets itself (MEMORY_FRACTION of its share of memory_gb), else why not (or why that cannot
-    be known here). The KV counted: one request at the longest prompt serve takes, plus the
-    kept answers' caches when --prompt-cache-gb is given."""
-    from .doctor import model_shares
-
-    if not hostfile.hosts:
-        return "no host is left"
-    unknown = [h.label for h in hostfile.hosts if not h.memory_gb]
-    if unknown:
-        return f"the hostfile gives no memory_gb for {', '.join(unknown)}"
-    if not Path(spec.model).expanduser().exists():
-        return f"the model {spec.model} is not on this machine to measure"
-    try:
-        shares = model_shares(spec.model, spec.mode, hostfile, spec.split)
-        kv = kv_bytes(read_config(Path(spec.model).expanduser()), spec.serve)
-    except (ModelError, ValueError) as e:
-        return str(e)
-    hosts = hostfile.rank_hosts()
-    total = sum(shares.values()) or 1
-    for rank, share in shares.items():
-        budget = hosts[rank].memory_gb / hosts[rank].slots * 1e9 * MEMORY_FRACTION
-        need = share + kv * share / total  # a rank's KV follows its share of the layers/heads
-        if need > budget:
-            return (
-                f"rank {rank} on {hosts[rank].label} would hold {share / 1e9:.1f} GB of "
-                f"weights and {(need - share) / 1e9:.1f} GB of KV cache, over its "
-                f"{budget / 1e9:.1f} GB ({MEMORY_FRACTION:.0%} of its memory_gb)"
-            )
-    return None
-
-
-def kv_bytes(config: dict, serve: ServeSettings) -> float:
-    """The KV cache serve needs across all ranks, from the model's config: one request at
-    the longest prompt it takes (fp16 keys and values of every layer), plus the kept
-    answers' caches when their size is given."""
-    text = text_config(config)
-    layers = text.get("num_hidden_layers") or 0
-    heads = text.get("num_key_value_heads") or text.get("num_attention_heads") or 0
-    dim = text.get("head_dim") or (
-        text.get("hidden_size", 0) // (text.get("num_attention_heads") or 1)
-    )
-    tokens = serve.max_prompt_tokens or text.get("max_position_embeddings") or 0
-    kept = (serve.serve_cache_gb or 0) * 1e9
-    return 2 * layers * heads * dim * 2 * tokens + kept
-
-
-def host_answers(hostfile: Hostfile, host: Host, accept_new: bool) -> bool:
-    """Whether ``host`` runs a trivial command over a fresh connection, within the time the
-    launcher gives a host to answer a signal."""
-    from .ssh import SIGNAL_TIMEOUT_S, SSHError, host_shell
-
-    try:
-        with host_shell(host, hostfile, accept_new) as shell:
-            return shell.run("true", timeout=SIGNAL_TIMEOUT_S)[0] == 0
-    except (SSHError, TimeoutError, OSError, EOFError):
-        return False
 
 
 class Restarts:
@@ -562,6 +517,8 @@ def next_hosts(
     back only once it answers (a failure with no host lost is a time to look)."""
 
     def answering(hosts: list[Host]) -> list[Host]:
+        from cluster.job.ssh import host_answers  # paramiko: only when a host is probed
+
         return [h for h in hosts if host_answers(full, h, launch.accept_new_host_keys)]
 
     def with_hosts(hosts: list[Host]) -> Hostfile:

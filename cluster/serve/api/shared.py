@@ -1,11 +1,11 @@
 """What `serve`'s API dialects share: the request as it travels (ApiRequest), the answer as
 rank 0's events build it (Answer), errors (RequestError) and the checks of a body's fields.
 
-The HTTP server is cluster/apiserver.py. Each of its routes is an endpoint of one API dialect
-(cluster/api_openai.py: chat completions and completions; cluster/api_responses.py: OpenAI's
-Responses; cluster/api_anthropic.py: Anthropic's Messages). An endpoint turns a body into the
-request rank 0 decodes (a cluster.spec.ServeRequest: OpenAI chat messages, tools, sampling)
-and rank 0's answer back into its own shapes; everything between is shared.
+The HTTP server is cluster/serve/http.py. Each of its routes is an endpoint of one API
+dialect (openai.py beside this file: chat completions and completions; responses.py: OpenAI's
+Responses; anthropic.py: Anthropic's Messages). An endpoint turns a body into the request rank
+0 decodes (a cluster.core.spec.ServeRequest: OpenAI chat messages, tools, sampling) and rank
+0's answer back into its own shapes; everything between is shared.
 
 HTTP threads parse and check a request, hand it to the service and wait on its ``chunks``:
 rank 0's events (Piece, ToolCall), then END; or a RequestError (a 4xx from rank 0, a
@@ -25,8 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .protocol import Piece, ToolCall
-from .spec import Sampling, ServeRequest
+from cluster.core.protocol import Piece, ToolCall
+from cluster.core.spec import Sampling, ServeRequest
 
 DEFAULT_MAX_TOKENS = 512
 MAX_TOKENS_CAP = 32768  # serve's --max-tokens-cap default
@@ -64,10 +64,10 @@ class Endpoint(Protocol):
     def parse(self, body: Any, door: Door) -> ServeRequest:
         """The request rank 0 decodes, or RequestError (the field named)."""
 
-    def reply(self, job: ApiRequest, answer: Answer) -> dict:
+    def reply(self, req: ApiRequest, answer: Answer) -> dict:
         """The whole answer as one JSON body."""
 
-    def events(self, job: ApiRequest) -> Stream:
+    def events(self, req: ApiRequest) -> Stream:
         """A stream's events, one answer's worth."""
 
     def error_body(self, e: RequestError) -> dict: ...
@@ -127,9 +127,9 @@ class ApiRequest:
         return dataclasses.replace(self.request, id=self.id)
 
 
-def call_id(call: ToolCall, prefix: str, job: ApiRequest) -> str:
+def call_id(call: ToolCall, prefix: str, req: ApiRequest) -> str:
     """A tool call's id: the model's, else one made from the request's id and its index."""
-    return call.id or f"{prefix}{job.id}{call.index}"
+    return call.id or f"{prefix}{req.id}{call.index}"
 
 
 # Checks and conversions every dialect uses

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from .hostfile import Host, Hostfile
-from .indexproxy import IndexTunnels, forward_index
-from .process import rank_python
+from cluster.core.hostfile import Host, Hostfile
+from cluster.job.process import rank_python
+from cluster.rig.indexproxy import IndexTunnels, forward_index
 
 PINNED = ("mlx", "mlx-lm")
 VENV_PYTHON = re.compile(r"^(?P<venv>.+)/bin/python[0-9.]*$")
@@ -41,7 +41,7 @@ class HostInstall:
 
 
 def project_root() -> Path:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     if not (root / "pyproject.toml").exists():
         raise InstallError(
             f"{root} is not an mlx-cluster source checkout (no pyproject.toml); install builds "
@@ -114,7 +114,7 @@ def install_host(
     accept_new: bool,
     index_via_here: bool = False,
 ) -> HostInstall:
-    from .ssh import SSHError, host_shell
+    from cluster.job.ssh import SSHError, host_shell
 
     python = rank_python(host, hostfile.python)
     result = HostInstall(host, python)

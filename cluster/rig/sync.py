@@ -1,8 +1,8 @@
 """`mlx-cluster sync`: copy each host exactly the model files its ranks read, once per file.
 
-A pipeline rank reads only the safetensors holding its layers (cluster.shards decides, for the
+A pipeline rank reads only the safetensors holding its layers (cluster.core.shards decides, for the
 ranks and for this copy alike), plus the config and tokenizer files; a tensor rank reads all.
-Each host runs a receiver (cluster.transfer, started over SSH); the laptop streams the files
+Each host runs a receiver (cluster.rig.transfer, started over SSH); the laptop streams the files
 through OpenSSH's own client (or a plain TCP stream with a one-time token, `--transport tcp`) to
 the first host, which passes them on to the next over the rig's own links (`--fan-out chain`),
 so the laptop sends each file once. Bytes are hashed as they pass: one read at the source, one
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import transfer
-from .hostfile import Host, Hostfile, model_name, split_weights
-from .modelcheck import ModelError, looks_like_repo, read_config
-from .shards import rank_weight_files
+from cluster.core.hostfile import Host, Hostfile, model_name, split_weights
+from cluster.core.modelcheck import ModelError, looks_like_repo, read_config
+from cluster.core.shards import rank_weight_files
+from cluster.rig import transfer
 
 TRANSPORTS = ("ssh", "tcp")
 FAN_OUTS = ("chain", "direct")
@@ -208,8 +208,8 @@ class SourceHashes:
 # --- the receivers, and how the bytes reach them ---------------------------------------------
 
 
-class Receiver:
-    """cluster.transfer running on one host, driven in JSON lines over its stdin and stdout
+class ReceiverHandle:
+    """cluster.rig.transfer running on one host, driven in JSON lines over its stdin and stdout
     (an OpenSSH session, or a local pipe). Progress lines move the host's bar; the rest queue."""
 
     def __init__(self, host: Host, hostfile: Hostfile, directory: str, accept_new: bool = False):
@@ -221,7 +221,7 @@ class Receiver:
             argv = [sys.executable, "-u", "-c", bootstrap, *args]
             self.transport = "local"
         else:
-            from .ssh import openssh_argv
+            from cluster.job.ssh import openssh_argv
 
             python = host.python or hostfile.python or "python3"
             command = shlex.join([python, "-u", "-c", bootstrap, *args])
@@ -433,15 +433,17 @@ class Copy:
         self.hashes = hashes
         self.progress = progress
         self.stop = stop
-        self.receivers: list[Receiver] = []
+        self.receivers: list[ReceiverHandle] = []
         self.results = {i: HostResult(self.host(i), transport=None) for i in names}
         self.lock = threading.Lock()
 
     def host(self, index: int) -> Host:
         return self.hostfile.hosts[index]
 
-    def start(self, index: int) -> Receiver:
-        r = Receiver(self.host(index), self.hostfile, self.dests[index], self.settings.accept_new)
+    def start(self, index: int) -> ReceiverHandle:
+        r = ReceiverHandle(
+            self.host(index), self.hostfile, self.dests[index], self.settings.accept_new
+        )
         with self.lock:
             self.receivers.append(r)
         if self.stop.is_set():
@@ -460,7 +462,7 @@ class Copy:
         hosts = list(self.names)
         sizes = {n: (self.source / n).stat().st_size for ns in self.names.values() for n in ns}
         bars = {i: self.progress(self.host(i), sum(sizes[n] for n in self.names[i])) for i in hosts}
-        first: dict[int, Receiver] = {}
+        first: dict[int, ReceiverHandle] = {}
         plan = Plan()
         if not hosts:
             return self.results
@@ -500,7 +502,7 @@ class Copy:
         self.stop_all(now=False)
         return self.results
 
-    def prepare(self, index: int) -> Receiver | None:
+    def prepare(self, index: int) -> ReceiverHandle | None:
         """Start the host's first receiver and learn what it holds; None when it failed."""
         host, result = self.host(index), self.results[index]
         try:
@@ -523,7 +525,7 @@ class Copy:
         """Why a receiver did not start: when SSH itself failed, connect() names the cause
         (host key, login, reachability) and what to do; otherwise the receiver's own words."""
         if not host.is_local and self.stop.is_set() is False:
-            from .ssh import SSHError, connect
+            from cluster.job.ssh import SSHError, connect
 
             try:
                 connect(host, self.hostfile, accept_new=False).close()
@@ -587,7 +589,7 @@ class Copy:
         for t in collectors:
             t.join()
 
-    def connect_chain(self, chain: list[int], receivers: list[Receiver]):
+    def connect_chain(self, chain: list[int], receivers: list[ReceiverHandle]):
         """Each host after the first listens on its rig addresses for the one before it, with
         a one-time token that only travels over SSH; the head reads the laptop's stream from
         SSH, or from TCP (with its own token) when the transport is tcp."""
@@ -633,7 +635,7 @@ class Copy:
             return sock, sock
         raise OSError(f"{head.label}: cannot open a TCP stream to {address} (ports {ports})")
 
-    def collect(self, index: int, receiver: Receiver) -> None:
+    def collect(self, index: int, receiver: ReceiverHandle) -> None:
         """The host's replies until its stream is done: which files it stored, or its error."""
         result = self.results[index]
         by_name = {f.name: f for f in result.files}

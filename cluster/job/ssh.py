@@ -26,8 +26,8 @@ from pathlib import Path
 
 import paramiko
 
-from .hostfile import Host, Hostfile
-from .process import STOP_GRACE_S, RankLaunch, node_command, shell_command
+from cluster.core.hostfile import Host, Hostfile
+from cluster.job.process import STOP_GRACE_S, RankLaunch, node_command, shell_command
 
 CONNECT_TIMEOUT_S = 10.0
 SIGNAL_TIMEOUT_S = 3.0  # for a host to answer a kill over an open connection; past it: lost
@@ -170,6 +170,24 @@ def run(client: paramiko.SSHClient, command: str, timeout: float = 30.0) -> tupl
     return status, out.read().decode(), err.read().decode()
 
 
+def answers(run_command) -> bool:
+    """Whether a host runs a trivial command (``run_command(command, timeout)``, as ``run``
+    and ``Shell.run`` take it) within SIGNAL_TIMEOUT_S: the one probe of a host's life."""
+    try:
+        return run_command("true", timeout=SIGNAL_TIMEOUT_S)[0] == 0
+    except (paramiko.SSHException, SSHError, TimeoutError, OSError, EOFError):
+        return False
+
+
+def host_answers(hostfile: Hostfile, host: Host, accept_new: bool) -> bool:
+    """Whether ``host`` answers over a fresh connection (serve: a host left out of the job)."""
+    try:
+        with host_shell(host, hostfile, accept_new) as shell:
+            return answers(shell.run)
+    except (SSHError, TimeoutError, OSError, EOFError):
+        return False
+
+
 class Shell:
     """Short shell commands and file copies on one host: this machine directly, any other
     over one SSH connection (``host_shell`` opens and closes it)."""
@@ -308,13 +326,12 @@ class RemoteRank:
         return self.exit_code
 
     def host_answers(self) -> bool:
-        """Whether the host runs a trivial command over our connection within
-        SIGNAL_TIMEOUT_S (a silent rank on a host that answers is hung, not cut off)."""
-        try:
-            return run(self.client, "true", timeout=SIGNAL_TIMEOUT_S)[0] == 0
-        except (paramiko.SSHException, OSError, EOFError):
-            self.lost = True  # nothing more is tried or waited for
-            return False
+        """Whether the host answers over our connection (a silent rank on a host that
+        answers is hung, not cut off)."""
+        if answers(lambda command, timeout: run(self.client, command, timeout)):
+            return True
+        self.lost = True  # nothing more is tried or waited for
+        return False
 
     def send_signal(self, sig: int) -> None:
         """Signal the remote process group itself, over a new connection if the old one

@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .api import (
+from cluster.core.protocol import Piece, ToolCall
+from cluster.core.spec import Sampling, ServeRequest, Template
+from cluster.serve.api.openai import tool_choice
+from cluster.serve.api.shared import (
     MAX_MESSAGES,
     MAX_PARTS,
     Answer,
@@ -29,9 +32,6 @@ from .api import (
     sampling,
     stop_strings,
 )
-from .api_openai import tool_choice
-from .protocol import Piece, ToolCall
-from .spec import Sampling, ServeRequest, Template
 
 SAMPLING_FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k"}
 ERROR_TYPES = {
@@ -201,38 +201,38 @@ class Messages:
             messages=chat_messages(body),
         )
 
-    def reply(self, job: ApiRequest, answer: Answer) -> dict:
+    def reply(self, req: ApiRequest, answer: Answer) -> dict:
         content: list[dict] = []
         if answer.reasoning:
             content.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
         if answer.content or not answer.tool_calls:
             content.append({"type": "text", "text": answer.content})
         for call in answer.tool_calls:
-            content.append(tool_use(job, call))
-        return message_body(job, content, answer.result)
+            content.append(tool_use(req, call))
+        return message_body(req, content, answer.result)
 
-    def events(self, job: ApiRequest) -> MessageStream:
-        return MessageStream(job)
+    def events(self, req: ApiRequest) -> MessageStream:
+        return MessageStream(req)
 
     def error_body(self, e: RequestError) -> dict:
         return error_body(e)
 
 
-def tool_use(job: ApiRequest, call: ToolCall) -> dict:
+def tool_use(req: ApiRequest, call: ToolCall) -> dict:
     return {
         "type": "tool_use",
-        "id": call_id(call, "toolu_", job),
+        "id": call_id(call, "toolu_", req),
         "name": call.name,
         "input": tool_input(call),
     }
 
 
-def message_body(job: ApiRequest, content: list[dict], result: dict | None) -> dict:
+def message_body(req: ApiRequest, content: list[dict], result: dict | None) -> dict:
     return {
-        "id": f"msg_{job.id}",
+        "id": f"msg_{req.id}",
         "type": "message",
         "role": "assistant",
-        "model": job.model,
+        "model": req.model,
         "content": content,
         "stop_reason": stop_reason(result) if result else None,
         "stop_sequence": (result or {}).get("stop_sequence"),
@@ -246,15 +246,15 @@ class MessageStream:
 
     done = b""
 
-    def __init__(self, job: ApiRequest):
-        self.job = job
+    def __init__(self, req: ApiRequest):
+        self.req = req
         self.index = -1
         self.open: str | None = None  # "thinking" or "text" while such a block is open
 
     def start(self):
         yield (
             "message_start",
-            {"type": "message_start", "message": message_body(self.job, [], None)},
+            {"type": "message_start", "message": message_body(self.req, [], None)},
         )
 
     def opened(self, kind: str):
@@ -314,7 +314,7 @@ class MessageStream:
     def tool_call(self, call: ToolCall):
         yield from self.close()
         self.index += 1
-        block = {**tool_use(self.job, call), "input": {}}
+        block = {**tool_use(self.req, call), "input": {}}
         yield (
             "content_block_start",
             {
@@ -372,10 +372,10 @@ class CountTokens:
             messages=chat_messages(body),
         )
 
-    def reply(self, job: ApiRequest, answer: Answer) -> dict:
+    def reply(self, req: ApiRequest, answer: Answer) -> dict:
         return {"input_tokens": answer.result["prompt_tokens"]}
 
-    def events(self, job: ApiRequest):
+    def events(self, req: ApiRequest):
         raise AssertionError("count_tokens does not stream")
 
     def error_body(self, e: RequestError) -> dict:

@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .backends import rank_envs, ring_ports
-from .blas import INSTALL_HINT, OPENBLAS_PATHS
-from .hostfile import Host, Hostfile, split_weights
-from .modelcheck import choose_split, looks_like_repo, read_config, text_config
-from .process import rank_python, shell_command
-from .protocol import LinkReport
-from .shards import pipeline_split
-from .tensorplan import check_mode
+from cluster.core.blas import INSTALL_HINT, OPENBLAS_PATHS
+from cluster.core.hostfile import Host, Hostfile
+from cluster.core.modelcheck import looks_like_repo
+from cluster.core.protocol import LinkReport
+from cluster.job.backends import rank_envs, ring_ports
+from cluster.job.memory import model_shares
+from cluster.job.process import rank_python, shell_command
 
 PACKAGES = ("mlx", "mlx-lm", "mlx-cluster")
 JACCL_MIN_MACOS = (26, 2)
@@ -57,7 +56,7 @@ for ip, port in args["ports"]:
     finally:
         s.close()
 out["busy_ports"] = busy
-if sys.platform == "linux":  # the BLAS the ranks will use (cluster.blas), and its speed
+if sys.platform == "linux":  # the BLAS the ranks will use (cluster.core.blas), and its speed
     lib = next((p for p in args["blas_paths"] if os.path.exists(p)), None)
     env = dict(os.environ)
     if lib:
@@ -160,7 +159,7 @@ def run_probe(hostfile: Hostfile, host: Host, ports, accept_new: bool) -> HostRe
             p = subprocess.run(command, capture_output=True, text=True, timeout=60)
             status, out, err = p.returncode, p.stdout, p.stderr
         else:
-            from .ssh import SSHError, connect, run
+            from cluster.job.ssh import SSHError, connect, run
 
             try:
                 client = connect(host, hostfile, accept_new)
@@ -195,29 +194,6 @@ def planned_ports(
     for env in rank_envs(hostfile, starting_port, connections_per_ip):
         ports.setdefault(env.host.index, []).extend(ring_ports(env.files, env.rank))
     return ports
-
-
-def model_shares(
-    model: str, mode: str, hostfile: Hostfile, split: list[int] | None = None
-) -> dict[int, int]:
-    """Bytes of weights each rank holds (pipeline: its layers' share, plus embeddings/head),
-    with the split launch would use (``split``, else by memory_gb, else even)."""
-    path = Path(model).expanduser()
-    config = read_config(path)
-    n = hostfile.world_size
-    weights = split or split_weights(hostfile)
-    plan = check_mode(config, mode, n, weights)
-    total = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    if n == 1:
-        return {0: total}
-    layers = text_config(config).get("num_hidden_layers") or n
-    per_layer = total / (layers + 2)  # embeddings and head counted as about two layers each
-    if plan is not None:  # every rank holds the embeddings and head, and its span of each layer
-        cols = plan.mlp or plan.moe or plan.heads
-        width = cols[-1][1]
-        return {r: int(per_layer * (2 + layers * (b - a) / width)) for r, (a, b) in enumerate(cols)}
-    split = pipeline_split(layers, n, choose_split(config, n, split, split_weights(hostfile)))
-    return {r: int(per_layer * (split[r] + 2)) for r in range(n)}
 
 
 def diagnose(

@@ -22,12 +22,18 @@ MEMORY_FRACTION = 0.85  # of a host's memory a rank lets MLX take (node.memory s
 
 def default_model_path() -> Path:
     """The tiny Llama that ships inside the package (node/default_model)."""
-    return Path(__file__).resolve().parent.parent / "node" / "default_model"
+    return Path(__file__).resolve().parents[2] / "node" / "default_model"
 
 
 def default_draft_path() -> Path:
     """The embedded default model's draft (node/default_draft): ``--draft-model default``."""
     return default_model_path().parent / "default_draft"
+
+
+def model_id(ref: str) -> str:
+    """The name an API serves a model under: a local folder's name, else the repo id."""
+    local = Path(ref).expanduser()
+    return local.name if local.exists() else ref
 
 
 def looks_like_repo(name: str) -> bool:
@@ -95,7 +101,7 @@ def check_request(config: dict[str, Any], command: str, image: bool, name: str) 
 
 def check_shardable(config: dict[str, Any], mode: str, num_ranks: int) -> None:
     """Raise ModelError when ``num_ranks`` cannot split this model in ``mode``; name the numbers.
-    Tensor mode's own split is checked by cluster.tensorplan.check_mode."""
+    Tensor mode's own split is checked by cluster.core.tensorplan.check_mode."""
     if mode not in MODES:
         raise ModelError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     if num_ranks < 2:
@@ -109,7 +115,7 @@ def check_shardable(config: dict[str, Any], mode: str, num_ranks: int) -> None:
             )
         return
     # tensor mode (a VLM's language model; its vision tower stays whole on every rank): the
-    # heads and columns each rank holds, cluster.tensorplan.plan_tensor
+    # heads and columns each rank holds, cluster.core.tensorplan.plan_tensor
 
 
 def num_layers(config: dict[str, Any]) -> int | None:

@@ -1,6 +1,6 @@
 """`serve`'s HTTP server, in the launcher's process: it stays up while the ranks restart
-(cluster/serving.py runs them and routes each request to rank 0 and back). Its routes are the
-endpoints of cluster/api_openai.py, api_responses.py and api_anthropic.py; GET /v1/models,
+(cluster/serve/service.py runs them and routes each request to rank 0 and back). Its routes are the
+endpoints of cluster/serve/api/ (openai.py, responses.py, anthropic.py); GET /v1/models,
 /health and /metrics are its own.
 
 What a client sends is bounded here before anything else sees it: the key is checked before
@@ -21,7 +21,11 @@ import threading
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .api import (
+from cluster.core.protocol import Piece, ToolCall
+from cluster.serve.api.anthropic import CountTokens, Messages
+from cluster.serve.api.openai import ChatCompletions, Completions
+from cluster.serve.api.responses import Responses
+from cluster.serve.api.shared import (
     END,
     RESTART,
     SSE,
@@ -32,17 +36,13 @@ from .api import (
     error_body,
     loads,
 )
-from .api_anthropic import CountTokens, Messages
-from .api_openai import ChatCompletions, Completions
-from .api_responses import Responses
-from .protocol import Piece, ToolCall
 
 POLL_S = 0.5  # how often a waiting request looks whether its client is still there
 GONE = (BrokenPipeError, ConnectionResetError, TimeoutError, OSError)  # a client that left
 
 
 class Api:
-    """The HTTP server. ``service`` (cluster.serving.Service) takes requests (``submit``),
+    """The HTTP server. ``service`` (cluster.serve.service.Service) takes requests (``submit``),
     drops those whose client left (``cancel``), and answers /health and /metrics."""
 
     def __init__(
@@ -217,16 +217,16 @@ class Handler(BaseHTTPRequestHandler):
             service.metrics.finished(e.status)
             return self.error(e, endpoint)
         stream = bool(body.get("stream")) and request.kind != "count"
-        job = ApiRequest(endpoint, request, stream, service.model_id, body)
-        service.submit(job)
+        req = ApiRequest(endpoint, request, stream, service.model_id, body)
+        service.submit(req)
         try:
-            if job.stream:
-                self.stream(job)
+            if req.stream:
+                self.stream(req)
             else:
-                self.collect(job)
+                self.collect(req)
         except GONE:  # the client went away
             self.close_connection = True
-            service.cancel(job)
+            service.cancel(req)
 
     def authorized(self, endpoint: Endpoint | None) -> bool:
         if self.api.authorized(self.headers):
@@ -282,12 +282,12 @@ class Handler(BaseHTTPRequestHandler):
         except GONE:
             self.close_connection = True
 
-    def next_item(self, job: ApiRequest):
-        """The request's next item (see cluster.api), looking every POLL_S whether the
+    def next_item(self, req: ApiRequest):
+        """The request's next item (see cluster.serve.api.shared), looking every POLL_S whether the
         client is still there; a client that left raises ConnectionResetError."""
         while True:
             try:
-                return job.chunks.get(timeout=POLL_S)
+                return req.chunks.get(timeout=POLL_S)
             except queue.Empty:
                 if self.client_left():
                     raise ConnectionResetError("the client left") from None
@@ -302,31 +302,31 @@ class Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             return True
 
-    def collect(self, job: ApiRequest) -> None:
+    def collect(self, req: ApiRequest) -> None:
         answer = Answer()
-        while (item := self.next_item(job)) is not END:
+        while (item := self.next_item(req)) is not END:
             if isinstance(item, RequestError):
-                return self.error(item, job.endpoint)
+                return self.error(item, req.endpoint)
             if item is RESTART:
                 answer = Answer()
             else:
                 answer.add(item)
-        answer.result = job.result or {}
-        self.reply(200, job.endpoint.reply(job, answer))
+        answer.result = req.result or {}
+        self.reply(200, req.endpoint.reply(req, answer))
 
-    def stream(self, job: ApiRequest) -> None:
-        item = self.next_item(job)
+    def stream(self, req: ApiRequest) -> None:
+        item = self.next_item(req)
         while item is RESTART:  # nothing was sent yet: wait for the new answer
-            item = self.next_item(job)
+            item = self.next_item(req)
         if isinstance(item, RequestError):
-            return self.error(item, job.endpoint)
+            return self.error(item, req.endpoint)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        events = job.endpoint.events(job)
+        events = req.endpoint.events(req)
         answer = Answer()
         self.send_events(events.start())
         while item is not END:
@@ -338,9 +338,9 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_events(events.piece(item))
             elif isinstance(item, ToolCall):
                 self.send_events(events.tool_call(item))
-            item = self.next_item(job)
+            item = self.next_item(req)
         else:
-            answer.result = job.result or {}
+            answer.result = req.result or {}
             self.send_events(events.end(answer))
         self.wfile.write(events.done)
         self.wfile.flush()

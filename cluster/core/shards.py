@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .modelcheck import ModelError, choose_split, is_vision_model, num_layers
+from cluster.core.modelcheck import ModelError, choose_split, is_vision_model, num_layers
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # A VLM's language-model layers; the vision tower has "layers" of its own that are not ours.
@@ -17,7 +17,7 @@ VLM_LAYER_RE = re.compile(r"^language_model\.(?:model\.)?layers\.(\d+)\.")
 
 def bad_file_name(name: object) -> str | None:
     """Why a weight file's name from an index may not be read or written (None: it may): a
-    plain relative name inside the model folder (cluster.transfer.inside checks the same on
+    plain relative name inside the model folder (cluster.rig.transfer.inside checks the same on
     each host, with links resolved)."""
     if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
         return f"is not a file name ({name!r})"

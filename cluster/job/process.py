@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .hostfile import Host
+from cluster.core.hostfile import Host
 
 STOP_GRACE_S = 5.0  # how long a stopped rank gets between SIGTERM and SIGKILL
 

@@ -26,10 +26,12 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import IO
 
-from .backends import free_port_run, rank_envs
-from .blas import blas_env
-from .hostfile import Hostfile, HostfileError
-from .launcher import (
+from cluster.core.blas import blas_env
+from cluster.core.hostfile import Hostfile, HostfileError
+from cluster.core.protocol import BenchRun
+from cluster.core.spec import BenchSettings, Draft, JobSpec, LaunchSettings
+from cluster.job.backends import free_port_run, rank_envs
+from cluster.job.launcher import (
     Interrupted,
     LaunchError,
     log,
@@ -37,9 +39,7 @@ from .launcher import (
     run_job,
     trap_signals,
 )
-from .process import STOP_GRACE_S, rank_python, write_files
-from .protocol import BenchRun
-from .spec import BenchSettings, Draft, JobSpec, LaunchSettings
+from cluster.job.process import STOP_GRACE_S, rank_python, write_files
 
 OURS, MLX_LM, MLX_LAUNCH = "mlx-cluster", "mlx-lm", "mlx.launch"
 BASELINES = ("single", MLX_LM, MLX_LAUNCH)

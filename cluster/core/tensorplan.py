@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .modelcheck import ModelError, check_shardable, text_config
+from cluster.core.modelcheck import ModelError, check_shardable, text_config
 
 
 def spans(total: int, weights: list[float], unit: int = 1) -> list[tuple[int, int]]:

@@ -1,0 +1,1 @@
+"""`serve`: the HTTP server and the service that outlives the ranks."""
