@@ -60,10 +60,15 @@ def run(spec: JobSpec) -> None:
     from .memory import apply_metal_limits
     from .share import share_from_rank0
     from .vlm import generate_vlm
+    from .watchdog import wait_for_start
 
     emit(Phase("init"))
+    # every rank joins at the launcher's START, together (cluster.core.protocol.START)
+    if not wait_for_start(spec.launcher_timeout):
+        raise RuntimeError("the launcher never said START: another rank did not get ready")
     group = init_group(spec.world_size)
     rank = group.rank()
+
     if spec.command == "links":  # doctor --links: the backend alone, no model
         from .links import run_links
 
@@ -191,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     reexec_with_blas(spec, argv)
     from .share import PeerFailed  # imports mlx: after the BLAS is chosen
-    from .watchdog import start_heartbeat, start_launcher_link
+    from .watchdog import hold_start, start_heartbeat, start_launcher_link
 
     start_launcher_link(spec.launcher_timeout)
+    hold_start()
     start_heartbeat(emit)
     try:
         run(spec)

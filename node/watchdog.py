@@ -32,9 +32,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import IO
 
-from cluster.core.protocol import KEEPALIVE, Beat, Error, Event, encode_event
+from cluster.core.protocol import KEEPALIVE, START, Beat, Error, Event, encode_event
 
 HEARTBEAT_S = 1.0
+START_SIGNAL = signal.SIGUSR1  # the watcher's word to its rank that the launcher said START
 
 
 class Progress:
@@ -97,6 +98,9 @@ def watch_launcher(
                 break
             heard = time.monotonic()
             data = data.replace(KEEPALIVE, b"")
+            if START in data:  # every rank is ready to join: tell ours (wait_for_start)
+                data = data.replace(START, b"")
+                kill(rank_pid, START_SIGNAL)
             try:
                 if data:
                     os.write(out, data)
@@ -140,6 +144,20 @@ def start_launcher_link(timeout: float) -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     _input = os.fdopen(data_r, "rb", buffering=0)
+
+
+def hold_start() -> None:
+    """Keep START_SIGNAL pending for ``wait_for_start`` (call after the watcher started: a
+    child would inherit the mask)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {START_SIGNAL})
+
+
+def wait_for_start(timeout: float) -> bool:
+    """Until the launcher's START reaches this rank through its watcher (False after
+    ``timeout``: the launcher sends it once every rank is ready to join the group)."""
+    if _watcher is None:
+        return True  # no launcher: nobody to wait for
+    return signal.sigtimedwait({START_SIGNAL}, timeout) is not None
 
 
 def launcher_input() -> IO[bytes]:

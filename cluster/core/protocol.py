@@ -24,6 +24,10 @@ CANCEL = b"\x03"  # launcher -> rank 0's stdin: Ctrl-C in chat, end the current 
 END_OF_INPUT = b"\x04"
 # launcher -> every rank's stdin, once a second: the launcher is still there (node.watchdog)
 KEEPALIVE = b"\x16"
+# launcher -> every rank's stdin, once every rank has said Phase("init"): join the group now.
+# MLX's ring retries a refused connection after 1 s, then 2 s: ranks that reach it together
+# (their imports done) connect at once instead of waiting out a peer still importing.
+START = b"\x06"
 KEEPALIVE_S = 1.0
 
 

@@ -33,9 +33,11 @@ from cluster.core.protocol import (
     END_OF_INPUT,
     KEEPALIVE,
     KEEPALIVE_S,
+    START,
     AwaitingInput,
     Error,
     Event,
+    Phase,
     Ready,
     decode_event,
 )
@@ -239,6 +241,7 @@ class RankWatch:
         self.events: queue.Queue = queue.Queue()
         self.wrote_newline = True
         self.drained = False  # serve: rank 0 was asked to drain (it then ends the job)
+        self.started_all = False  # START was sent: every rank reached Phase("init")
         self.stopping = False  # no keepalives once we stop: a rank we cannot reach ends itself
 
     @property
@@ -316,6 +319,8 @@ class RankWatch:
             return
         for say in on_event(self.state, state.rank, event, self.elapsed()):
             log(self.stderr, say.text)
+        if isinstance(event, Phase) and not self.started_all:
+            self.start_together()
         if self.link is not None:
             self.link.on_event(state.rank, event)
         if isinstance(event, AwaitingInput) and _isatty(self.stdin):
@@ -323,6 +328,18 @@ class RankWatch:
             self.stderr.flush()
         elif isinstance(event, Ready) and self.launch.verbose:
             self.stderr.write(f"[rank {state.rank} {state.host}] {ready_line(event)}\n")
+
+    def start_together(self) -> None:
+        """Once every rank waits at Phase("init"), START to each: they join the group
+        together (cluster.core.protocol.START)."""
+        if any(s.phase == "starting" for s in self.state.ranks):
+            return
+        self.started_all = True
+        for r in self.ranks:
+            try:
+                r.write_stdin(START)
+            except (OSError, ValueError, EOFError, AttributeError):
+                pass  # gone: the main loop reports it
 
     def check_liveness(self) -> None:
         late = overdue(
