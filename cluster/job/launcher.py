@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -211,6 +211,20 @@ def open_ranks(
     return ranks, list(clients.values())
 
 
+@dataclass(frozen=True)
+class Policy:
+    """What a command does with the user's stdin and with Ctrl-C or SIGTERM."""
+
+    forward_stdin: bool = False  # chat: stdin lines are turns for rank 0
+    on_signal: str = "stop"  # "stop" the job, "cancel" the answer (chat), "drain" (serve)
+
+
+POLICIES = {
+    "chat": Policy(forward_stdin=True, on_signal="cancel"),
+    "serve": Policy(on_signal="drain"),
+}
+
+
 class RankWatch:
     """The I/O loop of one running job: starts the ranks, takes their output off the queue,
     feeds it to ``cluster.job.state`` and prints what that says."""
@@ -237,7 +251,7 @@ class RankWatch:
             [RankState(r.rank, r.host.target, host_is_local=r.host.is_local) for r in ranks],
             command=command,
         )
-        self.forward_stdin = command == "chat"
+        self.forward_stdin = POLICIES.get(command, Policy()).forward_stdin
         self.events: queue.Queue = queue.Queue()
         self.wrote_newline = True
         self.drained = False  # serve: rank 0 was asked to drain (it then ends the job)
@@ -454,9 +468,10 @@ def run_job(
             watch.drained = True
         return drained
 
-    if spec.command == "chat":
+    on_signal = POLICIES.get(spec.command, Policy()).on_signal
+    if on_signal == "cancel":
         previous = trap_signals(cancel_answer)
-    elif spec.command == "serve":
+    elif on_signal == "drain":
         previous = trap_signals(drain, once=True, signals=(signal.SIGINT, signal.SIGTERM))
     else:
         previous = trap_signals()
