@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
 
         watch_launcher(args.rank_pid, args.timeout, args.lifeline)
         return 0
+    from .watchdog import hold_start
+
+    hold_start()  # before any thread exists (mlx starts its own): START may come to any of them
     try:
         with open(args.spec) as f:
             spec = JobSpec.from_json(f.read())
@@ -196,10 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     reexec_with_blas(spec, argv)
     from .share import PeerFailed  # imports mlx: after the BLAS is chosen
-    from .watchdog import hold_start, start_heartbeat, start_launcher_link
+    from .watchdog import start_heartbeat, start_launcher_link
 
     start_launcher_link(spec.launcher_timeout)
-    hold_start()
     start_heartbeat(emit)
     try:
         run(spec)

@@ -147,8 +147,9 @@ def start_launcher_link(timeout: float) -> None:
 
 
 def hold_start() -> None:
-    """Keep START_SIGNAL pending for ``wait_for_start`` (call after the watcher started: a
-    child would inherit the mask)."""
+    """Keep START_SIGNAL pending for ``wait_for_start``. First thing in the rank, before any
+    thread exists: a process-directed signal goes to any thread that does not block it, and
+    its default action would end the rank. (The watcher inherits the mask: it only sends.)"""
     signal.pthread_sigmask(signal.SIG_BLOCK, {START_SIGNAL})
 
 
