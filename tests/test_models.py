@@ -6,7 +6,9 @@ import mlx.core as mx
 import pytest
 from conftest import ROOT, run_cli
 from matrix import (
+    LOGIT_TOLERANCE,
     MAX_TOKENS,
+    SHORT_TOKENS,
     TEXT_FAMILIES,
     VLM_PROMPT,
     check_cell,
@@ -30,12 +32,16 @@ def test_matrix_row_is_what_docs_say(family, tmp_path):
         model, image = make_model(tmp_path / family, family, seed=1), None
     for column, recorded in DOCS[family].items():
         mode, ranks = column.split()
-        cell = check_cell(model, mode, int(ranks), image, delta=mode == "pipeline")
+        short = mode == "tensor" and int(ranks) > 2 and image is None
+        tokens = SHORT_TOKENS if short else MAX_TOKENS
+        cell = check_cell(model, mode, int(ranks), image, tokens=tokens)
         assert cell.status == recorded, f"{family} {column}: {cell.status} ({cell.detail})"
         # every family matches in both modes at 2, 3 and 4 ranks
         assert cell.status == "match", f"{family} {column}: {cell}"
         if mode == "pipeline" and family not in VLM_FAMILIES:
             assert cell.detail == "0", f"pipeline logits must be exact: {cell}"
+        if mode == "tensor" and family not in VLM_FAMILIES:  # within the recorded tolerance
+            assert float(cell.detail) <= LOGIT_TOLERANCE, f"tensor logits: {cell}"
 
 
 def test_docs_list_what_the_rules_recognise_in_mlx_lms_other_families():

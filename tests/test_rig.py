@@ -64,10 +64,10 @@ def launch_as_reference(hostfile: str, model, *args) -> subprocess.CompletedProc
     return p
 
 
-@pytest.mark.parametrize(
-    "mode,hosts", [("pipeline", 2), ("pipeline", 3), ("tensor", 2), ("tensor", 3)]
-)
+@pytest.mark.parametrize("mode,hosts", [("pipeline", 3), ("tensor", 2)])
 def test_launch_across_hosts_over_the_lan(rig, models, tmp_path, mode, hosts):
+    """Each mode once across hosts (every rank count and family is the matrix's, on one
+    host; the ring over 4 hosts' cables is below)."""
     hostfile = write_hostfile(rig, tmp_path, hosts=list(range(1, hosts + 1)), over_cables=False)
     p = launch_as_reference(hostfile, models["llama"], "--mode", mode)
     assert f"starting {hosts} rank(s)" in p.stderr
