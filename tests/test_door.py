@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.core.spec import Sampling, ServeRequest, to_dict
+from cluster.serve.api import anthropic, openai, responses
 from cluster.serve.api.anthropic import CountTokens, Messages
 from cluster.serve.api.openai import ChatCompletions, Completions
 from cluster.serve.api.responses import Responses
@@ -28,19 +29,10 @@ BODIES = {  # the smallest valid body of each dialect
     Messages: {**CHAT, "max_tokens": 4},
     CountTokens: CHAT,
 }
-FIELDS = {  # each dialect's names for our settings
-    ChatCompletions: {
-        "temperature": "temp",
-        "top_p": "top_p",
-        "top_k": "top_k",
-        "min_p": "min_p",
-        "seed": "seed",
-        "presence_penalty": "presence_penalty",
-        "frequency_penalty": "frequency_penalty",
-        "repetition_penalty": "repetition_penalty",
-    },  # fmt: skip
-    Responses: {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "seed": "seed"},
-    Messages: {"temperature": "temp", "top_p": "top_p", "top_k": "top_k"},
+FIELDS = {  # each dialect's names for our settings (its own table: every one is checked)
+    ChatCompletions: openai.SAMPLING_FIELDS,
+    Responses: responses.SAMPLING_FIELDS,
+    Messages: anthropic.SAMPLING_FIELDS,
 }
 
 
