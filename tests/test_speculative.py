@@ -124,6 +124,7 @@ def chi_square_ok(counts: dict[int, int], probs: list[float], n: int) -> tuple[f
     return stat, critical
 
 
+@pytest.mark.e2e  # no rank, but 6000 draws: the slow layer
 def test_sampled_tokens_follow_the_models_distribution(tmp_path):
     """At temperature 1 with a proposer that is mostly wrong (prompt look-up on a prompt that
     repeats), the first and the second token follow the model's own probabilities: a
