@@ -158,7 +158,12 @@ def wait_for_start(timeout: float) -> bool:
     ``timeout``: the launcher sends it once every rank is ready to join the group)."""
     if _watcher is None:
         return True  # no launcher: nobody to wait for
-    return signal.sigtimedwait({START_SIGNAL}, timeout) is not None
+    if hasattr(signal, "sigtimedwait"):
+        return signal.sigtimedwait({START_SIGNAL}, timeout) is not None
+    # macOS has no sigtimedwait: wait without a bound (a launcher that is gone, or that stops
+    # the job, ends this rank through the watcher or SIGTERM, neither of which is blocked)
+    signal.sigwait({START_SIGNAL})
+    return True
 
 
 def launcher_input() -> IO[bytes]:

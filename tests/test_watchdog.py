@@ -8,6 +8,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from cluster.core import protocol
 from cluster.job.state import (
     JobState,
@@ -149,3 +151,24 @@ def test_a_silent_rank_on_a_host_that_answers_is_hung():
     late = overdue(job, 16.0, 16.0, 5, 1800)
     named = blame_unreachable(late, silent_ranks(job, 16.0, 5), {1: True})
     assert named is job.ranks[1] and "its host answers: the process is hung" in named.error
+
+
+@pytest.mark.parametrize("timed", [True, False])  # False: as on macOS, with no sigtimedwait
+def test_start_waits_for_the_watchers_signal(monkeypatch, timed):
+    """The rank's wait for the launcher's START (passed on by its watcher as a signal): a
+    signal that came before the wait is kept, and the wait returns at once."""
+    from node import watchdog
+
+    monkeypatch.setattr(watchdog, "_watcher", object())  # as under a launcher
+    if not timed:
+        monkeypatch.delattr(signal, "sigtimedwait")
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    try:
+        watchdog.hold_start()
+        # to this thread (other threads of the test process do not block it): kept pending
+        signal.pthread_kill(threading.get_ident(), watchdog.START_SIGNAL)
+        assert watchdog.wait_for_start(5.0)
+        if timed:
+            assert not watchdog.wait_for_start(0.1)  # no second START: the wait times out
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
