@@ -152,10 +152,16 @@ def chat_message(m: Any, i: int) -> dict:
     return out
 
 
-def chat_logprobs(body: dict) -> int | None:
-    top = number(body, "top_logprobs", (int,))
+def top_logprobs(body: dict, name: str) -> int | None:
+    """How many likeliest tokens to return beside each token (0 to MAX_TOP_LOGPROBS)."""
+    top = number(body, name, (int,))
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise RequestError(400, f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
+        raise RequestError(400, f"'{name}' must be between 0 and {MAX_TOP_LOGPROBS}")
+    return top
+
+
+def chat_logprobs(body: dict) -> int | None:
+    top = top_logprobs(body, "top_logprobs")
     if not body.get("logprobs"):
         if top:
             raise RequestError(400, "'top_logprobs' needs 'logprobs': true")
@@ -321,9 +327,7 @@ class Completions:
             raise RequestError(400, "'echo' is not supported")
         if (body.get("best_of") or 1) != 1:
             raise RequestError(400, "'best_of' above 1 is not supported")
-        top = number(body, "logprobs", (int,))
-        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise RequestError(400, f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
+        top = top_logprobs(body, "logprobs")
         chosen = sampling(
             body,
             SAMPLING_FIELDS,

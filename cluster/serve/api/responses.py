@@ -14,7 +14,7 @@ from typing import Any
 
 from cluster.core.protocol import Piece, ToolCall
 from cluster.core.spec import ServeRequest, Template
-from cluster.serve.api.openai import MAX_TOP_LOGPROBS, check_response_format, text_of, tool_choice
+from cluster.serve.api.openai import check_response_format, text_of, tool_choice, top_logprobs
 from cluster.serve.api.shared import (
     MAX_MESSAGES,
     MAX_PARTS,
@@ -30,7 +30,6 @@ from cluster.serve.api.shared import (
     error_body,
     function_tool,
     max_tokens,
-    number,
     sampling,
 )
 
@@ -125,9 +124,7 @@ class Responses:
         reasoning = body.get("reasoning") or {}
         effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
         include = body.get("include") or []
-        top = number(body, "top_logprobs", (int,))
-        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise RequestError(400, f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}")
+        top = top_logprobs(body, "top_logprobs")
         wanted = LOGPROBS_INCLUDE in include if isinstance(include, list) else False
         chosen = sampling(
             body, SAMPLING_FIELDS, door, max_tokens(body, door, "max_output_tokens"), []
