@@ -6,7 +6,8 @@
 Each cell runs ``mlx-cluster launch`` as a user would (ranks on this machine, ring backend) and
 compares it with single-process mlx-lm (mlx-vlm for vision models): the greedy text, and for text
 models the next-token logits of the prompt (``launch --logits``). tests/test_models.py runs the
-same cells and checks the statuses recorded in docs/models.md.
+same comparisons (the cells of one mode and rank count in one start of their ranks,
+tests/matrix_ranks.py) and checks the statuses recorded in docs/models.md.
 """
 
 from __future__ import annotations
@@ -146,7 +147,31 @@ def _both(model_dir: str, prompt: str, max_tokens: str) -> dict:
     return {"text": _text(model_dir, prompt, max_tokens), "logits": _logits(model_dir, prompt)}
 
 
-REFERENCES = {"text": _text, "logits": _logits, "both": _both, "vlm": _vlm}
+def _many(listing: str) -> list:
+    """Many references in one process: ``listing`` is a JSON file of [kind, *args] lists."""
+    return [REFERENCES[kind](*args) for kind, *args in json.loads(Path(listing).read_text())]
+
+
+REFERENCES = {"text": _text, "logits": _logits, "both": _both, "vlm": _vlm, "many": _many}
+
+
+def prefetch_references(models: dict[str, Path], image: Path, scratch: Path) -> None:
+    """Every model's reference (text and logits; text for a vision model) in one process, into
+    the cache ``reference``, ``reference_logits`` and ``reference_vlm`` read."""
+    keys = [
+        ("vlm", m, VLM_PROMPT, MAX_TOKENS, image)
+        if family in VLM_FAMILIES
+        else ("both", m, PROMPT, MAX_TOKENS)
+        for family, m in models.items()
+    ]
+    listing = scratch / "references.json"
+    listing.write_text(json.dumps([[str(x) for x in key] for key in keys]))
+    for key, value in zip(keys, _single_process("many", listing), strict=True):
+        if key[0] == "both":
+            _cache[("text", *key[1:])] = value["text"]
+            _cache[("logits", key[1], PROMPT)] = value["logits"]
+        else:
+            _cache[key] = value
 
 
 def make_image(path: Path) -> Path:
@@ -190,10 +215,7 @@ def check_cell(
         if p.returncode == 0:
             answer = json.loads(p.stdout)
             want = reference_logits(model_dir)  # with the text, in one process
-            expected, got = reference(model_dir), answer["text"]
-            same = (
-                got == expected if tokens == MAX_TOKENS else bool(got) and expected.startswith(got)
-            )
+            same = same_text(answer["text"], reference(model_dir), tokens)
             return compare_logits(same, answer["logits"], want)
     if image is None:
         p = run_cli(*args, "--max-tokens", MAX_TOKENS, PROMPT)
@@ -205,20 +227,91 @@ def check_cell(
         return Cell("unsupported", _reason(p.stderr))
     if p.returncode != 0:
         return Cell("failed", f"exit {p.returncode}: {_reason(p.stderr)}")
-    same_text = p.stdout == expected
+    same = p.stdout == expected
     if image is not None:  # mlx-vlm has no plain forward pass to compare logits with
-        return Cell("match" if same_text else "differs", "text")
-    if same_text and not delta:
+        return Cell("match" if same else "differs", "text")
+    if same and not delta:
         return Cell("match", "text")
     q = run_cli(*args, "--logits", PROMPT)
     if q.returncode != 0:
         return Cell("failed", f"--logits exit {q.returncode}: {_reason(q.stderr)}")
-    return compare_logits(same_text, json.loads(q.stdout)["logits"], reference_logits(model_dir))
+    return compare_logits(same, json.loads(q.stdout)["logits"], reference_logits(model_dir))
 
 
-def compare_logits(same_text: bool, got: list[float], want: list[float]) -> Cell:
+def check_cells_together(
+    models: dict[str, Path], mode: str, ranks: int, image: Path, scratch: Path
+) -> dict[str, Cell]:
+    """The cells of one mode and rank count, every model in one start of the ranks
+    (tests/matrix_ranks.py; ring over loopback, the environment ``launch -n`` gives): the same
+    comparisons as ``check_cell``, text models at SHORT_TOKENS where ``check_cell`` would use
+    them. A run that breaks fails every cell it did not finish, with the ranks' stderr."""
+    from cluster.core.hostfile import local_hostfile
+    from cluster.job.backends import ring_env
+    from cluster.job.process import write_files
+
+    cells = []
+    for family, model in models.items():
+        vlm = family in VLM_FAMILIES
+        short = mode == "tensor" and ranks > 2 and not vlm
+        cells.append(
+            {"family": family, "model": str(model), "image": str(image) if vlm else None,
+             "prompt": VLM_PROMPT if vlm else PROMPT,
+             "tokens": SHORT_TOKENS if short else MAX_TOKENS}
+        )  # fmt: skip
+    job = scratch / f"{mode}-{ranks}"
+    job.mkdir(parents=True, exist_ok=True)
+    (job / "cells.json").write_text(json.dumps(cells))
+    blas = blas_env("auto", ranks, ONE_THREAD, sys.platform, os.cpu_count()) or {}
+    rank_program = Path(__file__).with_name("matrix_ranks.py")
+    procs = []
+    try:
+        for r in ring_env(local_hostfile(ranks)):
+            env = {**ONE_THREAD, **blas, **r.env, **write_files(r.files, job / f"rank{r.rank}")}
+            argv = [sys.executable, str(rank_program), "--mode", mode, "--world-size", str(ranks),
+                    "--cells", str(job / "cells.json")]  # fmt: skip
+            stderr = open(job / f"rank{r.rank}.err", "wb")
+            procs.append(
+                subprocess.Popen(
+                    argv, env=env, stdout=subprocess.PIPE, stderr=stderr, start_new_session=True
+                )  # fmt: skip
+            )
+            stderr.close()
+        out, _ = procs[0].communicate(timeout=600)
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:  # on a timeout or a broken rank: none of ours survives
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    answers = {a["family"]: a for a in map(json.loads, out.decode().splitlines())}
+    results = {}
+    for cell in cells:
+        family = cell["family"]
+        answer = answers.get(family)
+        if answer is None:
+            errors = " | ".join(
+                (job / f"rank{i}.err").read_text(errors="replace")[-2000:] for i in range(ranks)
+            )
+            results[family] = Cell("failed", f"exit codes {codes}: {errors}")
+        elif cell["image"]:
+            same = answer["text"] == reference_vlm(Path(cell["model"]), image)
+            results[family] = Cell("match" if same else "differs", "text")
+        else:
+            model = Path(cell["model"])
+            same = same_text(answer["text"], reference(model), cell["tokens"])
+            results[family] = compare_logits(same, answer["logits"], reference_logits(model))
+    return results
+
+
+def same_text(got: str, expected: str, tokens: int) -> bool:
+    """The text of ``tokens`` tokens against single-process's MAX_TOKENS: equal, or (fewer
+    tokens) a start of it."""
+    return got == expected if tokens == MAX_TOKENS else bool(got) and expected.startswith(got)
+
+
+def compare_logits(same: bool, got: list[float], want: list[float]) -> Cell:
     largest = max(abs(a - b) for a, b in zip(got, want, strict=True))
-    if same_text:
+    if same:
         return Cell("match", f"{largest:.1g}")
     return Cell("close" if largest <= LOGIT_TOLERANCE else "differs", f"{largest:.2g}")
 
@@ -259,7 +352,8 @@ def render(results: dict[str, dict[str, Cell]]) -> str:
         "# Verified model families",
         "",
         "Generated by `python tests/matrix.py --out docs/models.md`; `tests/test_models.py` runs",
-        "the same cells in CI and fails when a status differs from this page.",
+        "the same cells in CI and fails when a status differs from this page (there, the cells of",
+        "one mode and rank count share one start of their ranks: `tests/matrix_ranks.py`).",
         "",
         "Each family is a tiny random float32 checkpoint built by `tests/tiny.py` (6 layers;",
         "see `FAMILIES` and `VLM_FAMILIES` there). A cell runs `mlx-cluster launch -n N --mode M`",

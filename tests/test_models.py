@@ -8,12 +8,17 @@ from conftest import ROOT, run_cli
 from matrix import (
     LOGIT_TOLERANCE,
     MAX_TOKENS,
+    MODES,
+    RANKS,
     SHORT_TOKENS,
     TEXT_FAMILIES,
     VLM_PROMPT,
+    build_models,
     check_cell,
+    check_cells_together,
     make_image,
     parse,
+    prefetch_references,
     reference_vlm,
 )
 from tiny import VLM_FAMILIES, make_model, make_vlm
@@ -21,27 +26,47 @@ from tiny import VLM_FAMILIES, make_model, make_vlm
 DOCS = parse((ROOT / "docs" / "models.md").read_text())
 
 
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """Every cell of docs/models.md's table, computed once: the cells of each mode and rank
+    count share one start of their ranks (matrix.check_cells_together), the single-process
+    references one process. -> family -> column -> Cell."""
+    base = tmp_path_factory.mktemp("matrix")
+    models = build_models(base, [*TEXT_FAMILIES, *VLM_FAMILIES])
+    image = make_image(base / "picture.png")
+    prefetch_references(models, image, base)
+    table: dict = {family: {} for family in models}
+    for mode in MODES:
+        for n in RANKS:
+            for family, cell in check_cells_together(models, mode, n, image, base).items():
+                table[family][f"{mode} {n}"] = cell
+    return table
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("family", [*TEXT_FAMILIES, *VLM_FAMILIES])
-def test_matrix_row_is_what_docs_say(family, tmp_path):
+def test_matrix_row_is_what_docs_say(family, matrix):
     """Each cell as docs/models.md records it; the required cells match single-process."""
     assert family in DOCS, f"docs/models.md has no row for {family}; run tests/matrix.py"
-    if family in VLM_FAMILIES:
-        model, image = make_vlm(tmp_path / family, family), make_image(tmp_path / "p.png")
-    else:
-        model, image = make_model(tmp_path / family, family, seed=1), None
+    assert set(DOCS[family]) == set(matrix[family]), "docs/models.md's columns changed"
     for column, recorded in DOCS[family].items():
-        mode, ranks = column.split()
-        short = mode == "tensor" and int(ranks) > 2 and image is None
-        tokens = SHORT_TOKENS if short else MAX_TOKENS
-        cell = check_cell(model, mode, int(ranks), image, tokens=tokens)
+        cell = matrix[family][column]
         assert cell.status == recorded, f"{family} {column}: {cell.status} ({cell.detail})"
         # every family matches in both modes at 2, 3 and 4 ranks
         assert cell.status == "match", f"{family} {column}: {cell}"
-        if mode == "pipeline" and family not in VLM_FAMILIES:
+        if column.startswith("pipeline") and family not in VLM_FAMILIES:
             assert cell.detail == "0", f"pipeline logits must be exact: {cell}"
-        if mode == "tensor" and family not in VLM_FAMILIES:  # within the recorded tolerance
+        if column.startswith("tensor") and family not in VLM_FAMILIES:  # recorded tolerance
             assert float(cell.detail) <= LOGIT_TOLERANCE, f"tensor logits: {cell}"
+
+
+@pytest.mark.e2e
+def test_one_matrix_cell_through_launch_as_the_docs_page_runs_it(matrix, tmp_path):
+    """tests/matrix.py (which writes docs/models.md) runs each cell through ``mlx-cluster
+    launch``: one cell that way gives what the batched cells gave."""
+    model = make_model(tmp_path / "gemma2", "gemma2", seed=1)
+    cell = check_cell(model, "tensor", 3, tokens=SHORT_TOKENS)
+    assert cell == matrix["gemma2"]["tensor 3"], cell
 
 
 def test_docs_list_what_the_rules_recognise_in_mlx_lms_other_families():
