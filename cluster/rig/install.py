@@ -96,7 +96,9 @@ def steps(
         venv = VENV_PYTHON.match(python)["venv"]
         flag = " --system-site-packages" if system_site else ""
         commands.append(f"{q(base)} -m venv{flag} {q(venv)}")
-    pip = f"{q(python)} -m pip install -q --disable-pip-version-check"
+    # --no-compile (uv's default): a rank compiles the few modules it imports, on first use,
+    # instead of pip compiling every module of every package (half of a fresh venv's install)
+    pip = f"{q(python)} -m pip install -q --disable-pip-version-check --no-compile"
     if proxy_port is not None:
         pip += f" --proxy http://127.0.0.1:{proxy_port}"
     commands.append(f"{pip} {q(wheel)} {' '.join(q(p) for p in pins())}")
