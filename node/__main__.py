@@ -18,7 +18,7 @@ import time
 import traceback
 
 from cluster.core.blas import blas_env
-from cluster.core.modelcheck import ModelError, check_request
+from cluster.core.modelcheck import ModelError, check_kv_quant, check_request
 from cluster.core.protocol import Error, Event, Memory, Phase, Ready, Stats, encode_event
 from cluster.core.spec import JobSpec, Request
 
@@ -55,7 +55,7 @@ def write_text(text: str) -> None:
 
 def run(spec: JobSpec) -> None:
     from .dist import barrier, init_group
-    from .generate import generate, prompt_logits
+    from .generate import generate, prompt_logits, use_kv_quant
     from .load import load_shard
     from .memory import apply_metal_limits
     from .share import share_from_rank0
@@ -87,6 +87,8 @@ def run(spec: JobSpec) -> None:
         loaded.speculation = load_draft(spec.draft, loaded, group)
     barrier(group)
     emit(Ready(time.perf_counter() - tic, layers=loaded.layers, files=loaded.files))
+    check_kv_quant(loaded.config, spec.kv_quant.kv_bits, spec.kv_quant.kv_group_size)
+    use_kv_quant(spec.kv_quant.generate_kwargs())
 
     command = spec.command
     stats = None  # a one-shot answer's, reported by rank 0 once every rank is done

@@ -17,6 +17,13 @@ least recently used entry alike, until none is.
 
 A request whose settings fail (node.sampling.tried, the same on every rank) does not join: it
 fails alone and the batch goes on.
+
+A long prompt does not stop the answers already decoding: mlx-lm's generator prefills at most
+``prefill_step_size`` tokens of each prompt per step, between two decode steps. While answers
+decode, rank 0 shrinks that step to what the ranks prefill in ``max_stall`` seconds (measured
+over the last steps; ``PrefillPace``) and shares it in its order, so every rank steps alike.
+While a prompt is being prefilled a round is one step, so a new order (a cancel, a new request)
+is taken between any two chunks.
 """
 
 from __future__ import annotations
@@ -38,6 +45,30 @@ from .sampling import RequestFailed, tried
 
 ROUND_STEPS = STOP_CHECK_EVERY  # generator steps between two orders of rank 0
 MODEL_KEY = "served"  # one model per server: every cache entry is under this key
+PREFILL_MIN = 128  # the smallest prefill step while answers decode: below it a step is overhead
+
+
+class PrefillPace:
+    """Rank 0's prefill step: the most tokens while nothing decodes, else what the ranks
+    prefill in ``max_stall`` seconds at the rate of the last steps (attention grows with the
+    prompt's length, so the rate is followed as it falls)."""
+
+    def __init__(self, most: int, max_stall: float):
+        self.most = most
+        self.max_stall = max_stall
+        self.rate: float | None = None  # prompt tokens per second, recent steps weigh most
+
+    def measured(self, tokens: int, seconds: float) -> None:
+        if tokens and seconds > 0:
+            rate = tokens / seconds
+            self.rate = rate if self.rate is None else 0.5 * self.rate + 0.5 * rate
+
+    def step(self, decoding: bool) -> int:
+        if not decoding or self.max_stall <= 0:
+            return self.most
+        if self.rate is None:
+            return min(self.most, PREFILL_MIN)
+        return max(min(self.most, PREFILL_MIN), min(self.most, int(self.rate * self.max_stall)))
 
 
 def batchable(model) -> bool:
@@ -58,6 +89,8 @@ class Lockstep:
         cache_bytes: float = float("inf"),
         group=None,
         vocab: int | None = None,
+        prefill_step: int = 2048,
+        max_stall: float = 0.0,
     ):
         self.prompt_cache = (
             LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
@@ -70,17 +103,29 @@ class Lockstep:
             stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
             completion_batch_size=decode_concurrency,
             prefill_batch_size=prompt_concurrency,
+            prefill_step_size=prefill_step,
             stream=generation_stream,
         )
         reapply_wired_limit()
         self.live: set[int] = set()  # inserted and not yet finished or removed
+        self.prefilling: dict[int, tuple[int, int]] = {}  # uid -> (prompt tokens done, of)
+        self.pace = PrefillPace(prefill_step, max_stall)  # rank 0's
         self.kept = 0  # answers' caches kept since the bytes were last checked
+
+    def next_prefill_step(self, joining: bool = False) -> int | None:
+        """Rank 0: the prefill step the next round should take (``joining``: its order inserts
+        requests), when it is not the current one (None)."""
+        decoding = len(self.live) > len(self.prefilling)
+        step = self.pace.step(decoding) if self.prefilling or joining else self.pace.most
+        return None if step == self.generator.prefill_step_size else step
 
     def apply(self, order: dict) -> list[tuple[int | None, int, str | None]]:
         """Insert ``order['insert']`` (requests as node.sampling.settings makes them, with
         ``tokens``) and drop ``order['remove']``; returns (uid, prompt tokens taken from the
         cache, None) for each new request, in order, or (None, 0, why) for one whose
         settings failed (on every rank alike)."""
+        if "prefill_step" in order:
+            self.generator.prefill_step_size = order["prefill_step"]
         joined = []
         for r in order.get("insert", ()):
             try:
@@ -98,11 +143,14 @@ class Lockstep:
                 logits_processors=[chain],
             )
             joined.append((uid, len(r["tokens"]) - len(rest), None))
+            self.prefilling[uid] = (0, len(rest))
         self.live.update(uid for uid, _, _ in joined if uid is not None)
         gone = [u for u in order.get("remove", ()) if u in self.live]
         if gone:
             self.generator.remove(gone)
             self.live.difference_update(gone)
+            for uid in gone:
+                self.prefilling.pop(uid, None)
         return joined
 
     def nearest(self, tokens: list[int]) -> tuple[list | None, list[int]]:
@@ -142,13 +190,21 @@ class Lockstep:
         self.kept = 0
 
     def round(self, on_token: Callable | None) -> None:
-        """Step the generator ROUND_STEPS times (fewer once nothing is left); ``on_token`` (rank
-        0) gets every generated token's response. Ends with no step in flight, so the next
-        collective on another stream cannot interleave with the generator's."""
-        for _ in range(ROUND_STEPS):
+        """Step the generator ROUND_STEPS times (once while a prompt is being prefilled, fewer
+        once nothing is left); ``on_token`` (rank 0) gets every generated token's response.
+        Ends with no step in flight, so the next collective on another stream cannot
+        interleave with the generator's."""
+        for _ in range(1 if self.prefilling else ROUND_STEPS):
             if not self.live:
                 break
-            _, responses = self.generator.next()
+            with self.generator.stats() as work:
+                prompts, responses = self.generator.next()
+            self.pace.measured(work.prompt_tokens, work.prompt_time)
+            for p in prompts:
+                if p.end_of_prompt:
+                    self.prefilling.pop(p.uid, None)
+                elif p.uid in self.prefilling:
+                    self.prefilling[p.uid] = p.progress
             for r in responses:
                 if r.finish_reason is not None:
                     self.live.discard(r.uid)

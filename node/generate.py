@@ -116,6 +116,15 @@ def draft_counts(responses_from_draft: list[bool], k: int, max_tokens: int) -> t
     return drafted, accepted
 
 
+KV_QUANT: dict = {}  # this rank's job's quantized KV cache (generate_step's arguments), if any
+
+
+def use_kv_quant(kwargs: dict) -> None:
+    """The job's --kv-bits, for every generation of this rank (set once, before the first)."""
+    KV_QUANT.clear()
+    KV_QUANT.update(kwargs)
+
+
 def token_stream(
     model, tokenizer, request: dict, prompt_cache=None, feed=None, speculation=None
 ) -> Iterable[Any]:
@@ -125,7 +134,7 @@ def token_stream(
     s = sampling_of(request)
     mx.random.seed(s.seed)
     feed = request["tokens"] if feed is None else feed
-    extra = {}
+    extra = dict(KV_QUANT)
     if speculation is not None:
         extra = {"draft_model": speculation.proposer, "num_draft_tokens": speculation.k}
         model = Ticking(model)  # mlx-lm drops the prefill callback when it speculates

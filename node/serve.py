@@ -302,6 +302,9 @@ class Scheduler:
             except queue.Empty:
                 break
         self.cut_drain()
+        for uid, one in list(self.lives.items()):  # a client gone while its prompt prefills
+            if one.first is None and one.ticket.cancel.is_set():
+                self.finish(uid, one, "cancelled")
         order: dict[str, Any] = {}
         if self.removals:
             order["remove"], self.removals = self.removals, []
@@ -450,6 +453,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
             "seed": secrets.randbits(31),
             "decode_concurrency": options.decode_concurrency,
             "prompt_concurrency": options.prompt_concurrency,
+            "prefill_step": options.prefill_step,
             "prompt_cache_size": options.prompt_cache_size,
             "cache_gb": options.serve_cache_gb,
         }
@@ -471,6 +475,8 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
             cache_bytes,
             group,
             vocab,
+            agreed["prefill_step"],
+            options.max_stall,  # rank 0's pace decides; the others follow its orders
         )
         if batched
         else None
@@ -489,6 +495,10 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
             memory_at = time.monotonic()
             emit(Memory(mx.get_peak_memory() / 1e9))
         order = scheduler.order(live) if rank0 else None
+        if rank0 and batch is not None:
+            step = batch.next_prefill_step(bool(order and order.get("insert")))
+            if step is not None:
+                order = {**(order or {}), "prefill_step": step}
         order = share_object(order, group)
         if order:
             if order.get("quit"):

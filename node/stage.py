@@ -78,8 +78,11 @@ def _find_cache(args, kwargs):
 def _depend(cache, h: mx.array) -> None:
     """Make the cache depend on the send: mlx-lm's prefill evaluates only the cache state, and
     a send nobody evaluates never runs, leaving the next stage waiting forever."""
-    if getattr(cache, "keys", None) is not None:
-        cache.keys = mx.depends(cache.keys, h)
+    keys = getattr(cache, "keys", None)
+    if isinstance(keys, tuple):  # a QuantizedKVCache: (packed, scales, biases)
+        cache.keys = tuple(mx.depends(list(keys), h))
+    elif keys is not None:
+        cache.keys = mx.depends(keys, h)
     elif hasattr(cache, "cache") and cache.cache and cache.cache[-1] is not None:
         cache.cache[-1] = mx.depends(cache.cache[-1], h)
     else:

@@ -80,9 +80,12 @@ def _single_process(*args) -> str | list[float]:
     return _cache[args]
 
 
-def reference(model_dir: Path, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS) -> str:
-    """What single-process mlx-lm generates, greedy, the way mlx_lm.generate builds the prompt."""
-    return _single_process("text", model_dir, prompt, max_tokens)
+def reference(
+    model_dir: Path, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS, kv_bits: int | None = None
+) -> str:
+    """What single-process mlx-lm generates, greedy, the way mlx_lm.generate builds the prompt
+    (with ``kv_bits``: its KV cache quantized from the first token, group size 64)."""
+    return _single_process("text", model_dir, prompt, max_tokens, *([kv_bits] if kv_bits else []))
 
 
 def reference_logits(model_dir: Path, prompt: str = PROMPT) -> list[float]:
@@ -102,13 +105,16 @@ def reference_vlm(
     return _single_process("vlm", model_dir, prompt, max_tokens, image)
 
 
-def _text(model_dir: str, prompt: str, max_tokens: str) -> str:
+def _text(model_dir: str, prompt: str, max_tokens: str, kv_bits: str | None = None) -> str:
     from mlx_lm import generate, load
     from mlx_lm.sample_utils import make_sampler
 
     model, tokenizer = load(model_dir)
     ids = _prompt_ids(tokenizer, prompt)
-    return generate(model, tokenizer, ids, max_tokens=int(max_tokens), sampler=make_sampler(0.0))
+    kv = {"kv_bits": int(kv_bits), "quantized_kv_start": 0} if kv_bits else {}
+    return generate(
+        model, tokenizer, ids, max_tokens=int(max_tokens), sampler=make_sampler(0.0), **kv
+    )
 
 
 def _prompt_ids(tokenizer, prompt: str) -> list[int]:

@@ -151,3 +151,38 @@ def test_a_client_that_leaves_while_its_request_waits_cancels_it(api):
             time.sleep(0.01)
         assert api.service.submitted
     assert api.service.cancelled.wait(5), "the server did not notice the client left"
+
+
+@pytest.mark.parametrize(
+    ("api", "path", "alive"),
+    [
+        ({"hold": True, "keepalive_s": 0.2}, "/v1/chat/completions", b": keepalive\n\n"),
+        ({"hold": True, "keepalive_s": 0.2}, "/v1/messages", b"event: ping\n"),
+    ],
+    indirect=["api"],
+)
+def test_a_stream_whose_answer_has_not_begun_is_kept_alive(api, path, alive):
+    """A long prefill: the stream opens after keepalive_s and says it is alive until the
+    first token comes, then the answer follows in the same stream."""
+    body = json.loads(BODY)
+    body["stream"] = True
+    data = json.dumps(body).encode()
+    with socket.create_connection(api.address, timeout=5) as s:
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nContent-Type: application/json\r\n".encode()
+            + f"Content-Length: {len(data)}\r\nx-api-key: k\r\n\r\n".encode()
+            + data
+        )
+        got = b""
+        while got.count(alive) < 2:
+            got += s.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200"), got
+        assert not api.service.cancelled.is_set()
+        (req,) = api.service.submitted
+        req.result = {"finish_reason": "stop", "usage": {"prompt_tokens": 1,
+                      "completion_tokens": 1, "total_tokens": 2}}  # fmt: skip
+        req.chunks.put(Piece(req.id, "late"))
+        req.chunks.put(END)
+        while chunk := s.recv(65536):
+            got += chunk
+    assert b'"late"' in got.split(alive)[-1], got

@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 from conftest import CLI, ROOT, invoke, rank_pid, rank_pids, reference, run_cli, start_streaming
+from tiny import make_model
 
 from cluster.core.modelcheck import default_model_path
 
@@ -411,3 +412,35 @@ def test_bad_split(models, split, message):
     p = invoke("launch", "--split", split, "--model", models["llama"], PROMPT)
     assert p.returncode == 2
     assert message in p.stderr
+
+
+@pytest.fixture(scope="module")
+def kv_model(tmp_path_factory):
+    """llama with a head dimension of 64, which a KV group of 64 divides."""
+    base = tmp_path_factory.mktemp("kv")
+    return make_model(base / "kv", "llama", seed=1, hidden_size=256, intermediate_size=256,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_quantized_kv_cache_equals_single_process(kv_model, mode):
+    """--kv-bits 4 from the first token: each rank quantizes its own layers' (pipeline) or
+    heads' (tensor) cache, and the text is single-process mlx-lm's with the same cache."""
+    expected = reference(kv_model, PROMPT, TOKENS, kv_bits=4)
+    p = run_cli("launch", "-n", 2, "--mode", mode, "--model", kv_model, "--kv-bits", 4,
+                "--quantized-kv-start", 0, "--max-tokens", TOKENS, PROMPT)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == expected
+
+
+def test_kv_bits_refusals(models):
+    """A group size that does not divide the head dimension: named before any rank starts.
+    serve: refused, with the reason (mlx-lm's batching takes full-precision caches only)."""
+    p = run_cli("launch", "--model", models["llama"], "--kv-bits", 4, "hi")
+    assert p.returncode == 2
+    assert "--kv-group-size 64 does not divide the model's head dimension 8" in p.stderr
+    assert "run without --kv-bits" in p.stderr and "starting" not in p.stderr
+    p = run_cli("serve", "--model", models["llama"], "--kv-bits", 8)
+    assert p.returncode == 2
+    assert "serve decodes its requests as one batch" in p.stderr and "chat" in p.stderr

@@ -259,3 +259,61 @@ def test_kept_caches_stay_within_their_bytes(tmp_path):
     one = roomy.prompt_cache.nbytes / 3  # each answer's cache (the KV steps make them alike)
     tight = answer_three(one * 1.5)
     assert len(tight.prompt_cache) == 1 and tight.prompt_cache.nbytes <= one * 1.5
+
+
+def test_prefill_pace_follows_the_measured_rate():
+    from node.batch import PREFILL_MIN, PrefillPace
+
+    pace = PrefillPace(2048, 0.5)
+    assert pace.step(decoding=False) == 2048  # nobody waits: the biggest steps
+    assert pace.step(decoding=True) == PREFILL_MIN  # not measured yet: a small first step
+    pace.measured(1000, 1.0)
+    assert pace.step(decoding=True) == 500
+    pace.measured(200, 1.0)  # a longer prompt prefills slower: the step follows
+    assert pace.step(decoding=True) == 300
+    pace.measured(1, 1.0)
+    pace.measured(1, 1.0)
+    assert pace.step(decoding=True) == PREFILL_MIN  # never below
+    pace.measured(10**6, 1.0)
+    assert pace.step(decoding=True) == 2048  # never above --prefill-step
+    assert PrefillPace(2048, 0.0).step(decoding=True) == 2048  # --max-stall 0: off
+
+
+def test_a_long_prompt_is_prefilled_in_steps_between_the_running_answers_tokens(tmp_path):
+    """node.batch.Lockstep on one rank: while a long prompt joins, every round is one step:
+    the running answer gets a token, the prompt at most one prefill step of tokens (rank 0's
+    pace, shared in the order), so a cancel or a new request can come between any two."""
+    from mlx_lm import load
+    from tiny import make_model
+
+    from node.batch import PREFILL_MIN, Lockstep
+    from node.sampling import settings
+
+    model, tokenizer = load(str(make_model(tmp_path / "m", "llama", seed=1, eos_token_id=9999)))
+    batch = Lockstep(model, tokenizer, 4, 4, 0, prefill_step=2048, max_stall=0.5)
+    got: list = []
+    batch.apply({"insert": [{"tokens": [5, 6, 7], **settings(Sampling(max_tokens=400))}]})
+    while len(got) < 2:
+        batch.round(got.append)
+    step = batch.next_prefill_step(joining=True)  # streams decode: the pace's step
+    assert step == batch.pace.step(decoding=True) and PREFILL_MIN <= step <= 2048
+    long = {"tokens": [5 + i % 200 for i in range(1000)], **settings(Sampling(max_tokens=2))}
+    ((uid, _, _),) = batch.apply({"insert": [long], "prefill_step": PREFILL_MIN})
+    done = 0
+    while batch.prefilling:
+        got.clear()
+        batch.round(got.append)
+        assert [r.uid for r in got] == [0], got  # one step: the running answer's token
+        if uid in batch.prefilling:
+            now = batch.prefilling[uid][0]
+            assert 0 < now - done <= batch.generator.prefill_step_size, (done, now)
+            done = now
+        if (step := batch.next_prefill_step()) is not None:  # the pace, once measured
+            batch.apply({"prefill_step": step})
+    assert batch.pace.rate is not None
+    while uid in batch.live:
+        got.clear()
+        batch.round(got.append)
+    batch.apply({"remove": [0]})
+    assert not batch.live
+    batch.close()

@@ -17,6 +17,7 @@ from cluster.core.modelcheck import MODES, default_draft_path, default_model_pat
 from cluster.core.spec import (
     Draft,
     JobSpec,
+    KVQuant,
     LaunchSettings,
     Sampling,
     ServeSettings,
@@ -362,6 +363,23 @@ SERVE = {  # ServeSettings
         show_default=True,
         help="Most prompts prefilled together.",
     ),
+    "prefill_step": click.option(
+        "--prefill-step",
+        type=click.IntRange(min=16),
+        default=default(ServeSettings, "prefill_step"),
+        show_default=True,
+        help="Most prompt tokens of a request prefilled in one step. Between steps the "
+        "running answers decode a token, so a long prompt does not stop them.",
+    ),
+    "max_stall": click.option(
+        "--max-stall",
+        type=click.FloatRange(min=0),
+        default=default(ServeSettings, "max_stall"),
+        show_default=True,
+        help="Seconds a prefill step may pause answers already decoding: while any are, a "
+        "long prompt's steps shrink to what the ranks prefill in this time (measured as they "
+        "go; at least 128 tokens). 0: steps of --prefill-step always.",
+    ),
     "prompt_cache_size": click.option(
         "--prompt-cache-size",
         type=click.IntRange(min=0),
@@ -450,6 +468,31 @@ SERVE = {  # ServeSettings
         "Retry-After.",
     ),
 }
+KV = {  # KVQuant: a quantized KV cache
+    "kv_bits": click.option(
+        "--kv-bits",
+        type=click.Choice(["2", "3", "4", "5", "6", "8"]),
+        callback=lambda _ctx, _param, v: None if v is None else int(v),
+        default=None,
+        help="Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache): 4 bits "
+        "holds a context about 3.5x longer than 16-bit. Default: not quantized.",
+    ),
+    "kv_group_size": click.option(
+        "--kv-group-size",
+        type=click.Choice(["32", "64", "128"]),
+        callback=lambda _ctx, _param, v: int(v),
+        default=str(default(KVQuant, "kv_group_size")),
+        show_default=True,
+        help="Values sharing one scale and bias in the quantized KV cache.",
+    ),
+    "quantized_kv_start": click.option(
+        "--quantized-kv-start",
+        type=click.IntRange(min=0),
+        default=default(KVQuant, "quantized_kv_start"),
+        show_default=True,
+        help="Tokens in the cache before it is quantized (mlx-lm's default).",
+    ),
+}
 DRAFT = {  # Draft: speculative decoding
     "draft_model": click.option(
         "--draft-model",
@@ -485,7 +528,7 @@ DRAFT = {  # Draft: speculative decoding
         "tokens (or fewer) where they occurred before in the prompt or answer. 0: off.",
     ),
 }
-OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE, **DRAFT}
+OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE, **DRAFT, **KV}
 
 
 def with_options(*names: str):
@@ -501,7 +544,7 @@ def with_options(*names: str):
 
 def job_options(f):
     """What every command that runs a job takes: hosts, model, how to launch."""
-    return with_options(*HOST, *MODEL, *LAUNCH, *DRAFT)(f)
+    return with_options(*HOST, *MODEL, *LAUNCH, *DRAFT, *KV)(f)
 
 
 def draft_of(values: dict) -> Draft:

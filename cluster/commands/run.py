@@ -21,6 +21,7 @@ from cluster.commands.options import (
 )
 from cluster.core.spec import (
     JobSpec,
+    KVQuant,
     LaunchSettings,
     Request,
     Sampling,
@@ -47,6 +48,7 @@ def job_spec(command: str, values: dict, **fields) -> JobSpec:
         request=request,
         serve=pick(ServeSettings, values),
         draft=draft_of(values),
+        kv_quant=pick(KVQuant, values),
         mode=values.pop("mode"),
         split=values.pop("split"),
         blas=values.pop("blas"),
@@ -170,6 +172,8 @@ def chat(prompt_cache_gb, **values):
     "api_key",
     "decode_concurrency",
     "prompt_concurrency",
+    "prefill_step",
+    "max_stall",
     "prompt_cache_size",
     "serve_cache_gb",
     "max_tokens_cap",
@@ -222,4 +226,10 @@ def serve(**values):
     from cluster.serve.service import serve_until_done
 
     hf, settings = hosts_and_launch(values)
-    sys.exit(serve_until_done(hf, job_spec("serve", values), settings, started=STARTED))
+    spec = job_spec("serve", values)
+    if spec.kv_quant.kv_bits is not None:
+        raise click.UsageError(
+            "--kv-bits: serve decodes its requests as one batch (mlx-lm's BatchGenerator), "
+            "which batches only full-precision caches; launch, chat and bench take it"
+        )
+    sys.exit(serve_until_done(hf, spec, settings, started=STARTED))

@@ -99,6 +99,23 @@ def check_request(config: dict[str, Any], command: str, image: bool, name: str) 
         raise ModelError(f"{what} is for text models; this is a vision-language model")
 
 
+def check_kv_quant(config: dict[str, Any], kv_bits: int | None, group_size: int) -> None:
+    """--kv-bits quantizes keys and values along the head dimension in groups: the group size
+    must divide it (mlx's quantize), which the launcher checks before any rank starts."""
+    if kv_bits is None:
+        return
+    cfg = config.get("text_config", config)
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    head_dim = cfg.get("head_dim") or (hidden // heads if heads and hidden else None)
+    if isinstance(head_dim, int) and head_dim % group_size:
+        fits = [g for g in (32, 64, 128) if head_dim % g == 0]
+        hint = f"use --kv-group-size {fits[-1]}" if fits else "run without --kv-bits"
+        raise ModelError(
+            f"--kv-bits: --kv-group-size {group_size} does not divide the model's head "
+            f"dimension {head_dim}; {hint}"
+        )
+
+
 def check_shardable(config: dict[str, Any], mode: str, num_ranks: int) -> None:
     """Raise ModelError when ``num_ranks`` cannot split this model in ``mode``; name the numbers.
     Tensor mode's own split is checked by cluster.core.tensorplan.check_mode."""

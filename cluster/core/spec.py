@@ -72,6 +72,8 @@ class ServeSettings:
     restart_wait: float = 120.0  # longest a request waits for ranks that (re)start: then 503
     decode_concurrency: int = 32  # most requests decoded together
     prompt_concurrency: int = 8  # most prompts prefilled together
+    prefill_step: int = 2048  # most prompt tokens of a request per prefill step (mlx-lm's)
+    max_stall: float = 0.5  # longest a prefill step may pause running streams (0: off)
     prompt_cache_size: int = 10  # finished answers whose caches every rank keeps (0: none)
     serve_cache_gb: float | None = None  # their most KV per rank (None: from memory left)
     max_tokens_cap: int = 32768  # the most max_tokens a request may ask
@@ -95,6 +97,24 @@ class ServeRequest:
     prompt: str = ""
     seeded: bool = False  # decoded alone: its tokens depend on the random state
     logprobs: int | None = None  # None: none; 0: each token's own; k: and the k likeliest
+
+
+@dataclass
+class KVQuant:
+    """A quantized KV cache (mlx-lm's QuantizedKVCache, as ``mlx_lm.generate --kv-bits``):
+    each rank quantizes its own layers' or heads' cache once it holds ``quantized_kv_start``
+    tokens."""
+
+    kv_bits: int | None = None  # None: the full-precision cache
+    kv_group_size: int = 64
+    quantized_kv_start: int = 5000  # mlx-lm's default
+
+    def generate_kwargs(self) -> dict:
+        """mlx-lm's generate_step arguments."""
+        if self.kv_bits is None:
+            return {}
+        return {"kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size,
+                "quantized_kv_start": self.quantized_kv_start}  # fmt: skip
 
 
 @dataclass
@@ -137,6 +157,7 @@ class JobSpec:
     serve: ServeSettings = field(default_factory=ServeSettings)
     bench: BenchSettings = field(default_factory=BenchSettings)
     draft: Draft = field(default_factory=Draft)
+    kv_quant: KVQuant = field(default_factory=KVQuant)
     blas: str = "auto"  # Linux ranks: "auto" preloads an optimized BLAS when found, "reference"
     ranks_on_host: int = 1  # ranks sharing this rank's host (BLAS threads = cores / this)
     launcher_timeout: float = 30.0  # the rank ends itself when the launcher is silent this long

@@ -23,6 +23,7 @@ from typing import IO, Protocol
 from cluster.core.hostfile import Hostfile, rank_model_path, split_weights
 from cluster.core.modelcheck import (
     ModelError,
+    check_kv_quant,
     check_request,
     choose_split,
     looks_like_repo,
@@ -110,6 +111,7 @@ def preflight(hostfile: Hostfile, spec: JobSpec) -> list[str]:
     weights = spec.split or split_weights(hostfile)
     plan = check_mode(config, spec.mode, n, weights)
     check_request(config, spec.command, spec.request.image is not None, spec.model)
+    check_kv_quant(config, spec.kv_quant.kv_bits, spec.kv_quant.kv_group_size)
     if plan is not None:
         notes = [plan.kv_note()] if plan.kv_note() else []
         if weights:

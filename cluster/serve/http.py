@@ -18,6 +18,7 @@ import queue
 import select
 import socket
 import threading
+import time
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -38,6 +39,7 @@ from cluster.serve.api.shared import (
 )
 
 POLL_S = 0.5  # how often a waiting request looks whether its client is still there
+KEEPALIVE_S = 10.0  # a stream with nothing to send yet (a long prefill) says so this often
 GONE = (BrokenPipeError, ConnectionResetError, TimeoutError, OSError)  # a client that left
 
 
@@ -54,7 +56,9 @@ class Api:
         max_body_bytes: int = 16 << 20,
         read_timeout: float = 30.0,
         max_connections: int = 256,
+        keepalive_s: float = KEEPALIVE_S,
     ):
+        self.keepalive_s = keepalive_s
         self.key = api_key.encode() if api_key is not None else None
         self.service = service
         self.max_body_bytes = max_body_bytes
@@ -282,15 +286,19 @@ class Handler(BaseHTTPRequestHandler):
         except GONE:
             self.close_connection = True
 
-    def next_item(self, req: ApiRequest):
+    def next_item(self, req: ApiRequest, wait: float | None = None):
         """The request's next item (see cluster.serve.api.shared), looking every POLL_S whether the
-        client is still there; a client that left raises ConnectionResetError."""
+        client is still there; a client that left raises ConnectionResetError. None once
+        ``wait`` seconds passed without one."""
+        deadline = None if wait is None else time.monotonic() + wait
         while True:
             try:
                 return req.chunks.get(timeout=POLL_S)
             except queue.Empty:
                 if self.client_left():
                     raise ConnectionResetError("the client left") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
 
     def client_left(self) -> bool:
         """The client closed its side: its socket reads as ended (no request of HTTP/1.1
@@ -315,9 +323,13 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(200, req.endpoint.reply(req, answer))
 
     def stream(self, req: ApiRequest) -> None:
-        item = self.next_item(req)
+        """The answer as server-sent events. A refusal that comes first is a plain HTTP error;
+        an answer that has not begun after ``keepalive_s`` (a long prompt being prefilled)
+        gets its headers and the stream's opening, then a keep-alive every ``keepalive_s``,
+        so that no client or proxy between gives up on an idle connection."""
+        item = self.next_item(req, self.api.keepalive_s)
         while item is RESTART:  # nothing was sent yet: wait for the new answer
-            item = self.next_item(req)
+            item = self.next_item(req, self.api.keepalive_s)
         if isinstance(item, RequestError):
             return self.error(item, req.endpoint)
         self.send_response(200)
@@ -329,6 +341,10 @@ class Handler(BaseHTTPRequestHandler):
         events = req.endpoint.events(req)
         answer = Answer()
         self.send_events(events.start())
+        while item is None or item is RESTART:  # still waiting for the first token
+            self.wfile.write(events.keepalive)
+            self.wfile.flush()
+            item = self.next_item(req, self.api.keepalive_s)
         while item is not END:
             if isinstance(item, RequestError):  # the ranks failed mid-answer
                 self.send_events(events.fail(item))

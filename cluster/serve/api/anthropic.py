@@ -245,6 +245,7 @@ class MessageStream:
     with the stop reason and usage, message_stop."""
 
     done = b""
+    keepalive = b'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's own
 
     def __init__(self, req: ApiRequest):
         self.req = req

@@ -14,6 +14,7 @@ from typing import Any
 from cluster.core.protocol import Piece, ToolCall
 from cluster.core.spec import ServeRequest, Template
 from cluster.serve.api.shared import (
+    KEEPALIVE,
     MAX_MESSAGES,
     MAX_PARTS,
     Answer,
@@ -262,6 +263,7 @@ def body_of(req: ApiRequest, obj: str, choices: list, result: dict | None) -> di
 
 class ChatStream:
     done = b"data: [DONE]\n\n"
+    keepalive = KEEPALIVE
 
     def __init__(self, req: ApiRequest):
         self.req = req
@@ -364,6 +366,7 @@ class Completions:
 
 class CompletionStream:
     done = b"data: [DONE]\n\n"
+    keepalive = KEEPALIVE
 
     def __init__(self, req: ApiRequest):
         self.req = req

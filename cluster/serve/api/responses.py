@@ -16,6 +16,7 @@ from cluster.core.protocol import Piece, ToolCall
 from cluster.core.spec import ServeRequest, Template
 from cluster.serve.api.openai import check_response_format, text_of, tool_choice, top_logprobs
 from cluster.serve.api.shared import (
+    KEEPALIVE,
     MAX_MESSAGES,
     MAX_PARTS,
     Answer,
@@ -247,6 +248,7 @@ class ResponseStream:
     open when their first text arrives and close before the next item opens."""
 
     done = b""
+    keepalive = KEEPALIVE
 
     def __init__(self, req: ApiRequest):
         self.req = req

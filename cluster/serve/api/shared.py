@@ -73,8 +73,12 @@ class Endpoint(Protocol):
     def error_body(self, e: RequestError) -> dict: ...
 
 
+KEEPALIVE = b": keepalive\n\n"  # an SSE comment: every client's parser skips it
+
+
 class Stream(Protocol):
     done: bytes  # what ends the stream after the last event (b"" for none)
+    keepalive: bytes  # sent while the answer has not begun (a long prefill)
 
     def start(self) -> Iterable[SSE]: ...
 
