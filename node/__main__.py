@@ -19,7 +19,16 @@ import traceback
 
 from cluster.core.blas import blas_env
 from cluster.core.modelcheck import ModelError, check_kv_quant, check_request
-from cluster.core.protocol import Error, Event, Memory, Phase, Ready, Stats, encode_event
+from cluster.core.protocol import (
+    Error,
+    Event,
+    Memory,
+    Phase,
+    Prefill,
+    Ready,
+    Stats,
+    encode_event,
+)
 from cluster.core.spec import JobSpec, Request
 
 EXIT_FAILED = 1
@@ -133,11 +142,16 @@ def run(spec: JobSpec) -> None:
                 write,
                 group,
                 speculation=loaded.speculation,
+                on_prefill=report_prefill if rank == 0 else None,
             ).stats
     emit_memory()
     barrier(group)
     if stats is not None and rank == 0:
         emit(Stats(**stats))
+
+
+def report_prefill(done: int, total: int) -> None:
+    emit(Prefill(done, total))
 
 
 def emit_memory() -> None:

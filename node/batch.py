@@ -45,7 +45,7 @@ from .sampling import RequestFailed, tried
 
 ROUND_STEPS = STOP_CHECK_EVERY  # generator steps between two orders of rank 0
 MODEL_KEY = "served"  # one model per server: every cache entry is under this key
-PREFILL_MIN = 128  # the smallest prefill step while answers decode: below it a step is overhead
+PREFILL_MIN = 32  # the smallest prefill step while answers decode: below it a step is overhead
 
 
 class PrefillPace:

@@ -18,7 +18,15 @@ from typing import IO
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from cluster.core.protocol import CANCEL, END_OF_INPUT, AwaitingInput, Notice, Phase, Stats
+from cluster.core.protocol import (
+    CANCEL,
+    END_OF_INPUT,
+    AwaitingInput,
+    Notice,
+    Phase,
+    Prefill,
+    Stats,
+)
 from cluster.core.spec import JobSpec, Template
 
 from .stage import SkippedCache
@@ -229,6 +237,7 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
             cancelled=inp.cancel.is_set if rank0 else None,
             cancellable=True,
             speculation=speculation,
+            on_prefill=(lambda done, total: emit(Prefill(done, total))) if rank0 else None,
         )
         cache.done(request["tokens"], answer.tokens)
         if rank0:

@@ -74,24 +74,32 @@ def generate(
     cancellable: bool = False,
     on_response: Callable[[Any], None] | None = None,
     speculation=None,
+    on_prefill: Callable[[int, int], None] | None = None,
 ) -> Generated:
     """Decode ``request`` (identical on every rank); ``write`` gets text segments on rank 0.
 
     With ``prompt_cache`` (holding the start of the prompt), only ``feed`` is prefilled.
-    ``cancellable`` (chat, serve: the same on every rank) says rank 0 may cancel the answer;
-    ``cancelled`` is how rank 0 learns it; ``on_response`` (rank 0) sees each response before
-    its text (serve's logprobs). With ``speculation`` (node.draft), its proposer drafts and the
-    model verifies K+1 tokens per pass."""
-    answer = stream(
-        token_stream(model, tokenizer, request, prompt_cache, feed, speculation),
-        write,
-        answer_text(tokenizer, request),
-        group,
-        cancelled,
-        generation_stream,
-        cancellable=cancellable,
-        on_response=on_response,
-    )
+    ``cancellable`` (chat, serve: the same on every rank) says rank 0 may cancel the answer,
+    also during the prefill; ``cancelled`` is how rank 0 learns it; ``on_response`` (rank 0)
+    sees each response before its text (serve's logprobs); ``on_prefill`` (rank 0) gets
+    (prompt tokens done, of) after each prefill chunk. With ``speculation`` (node.draft), its
+    proposer drafts and the model verifies K+1 tokens per pass."""
+    watch = prefill_watch(group, cancelled, cancellable, on_prefill)
+    try:
+        answer = stream(
+            token_stream(model, tokenizer, request, prompt_cache, feed, speculation, watch),
+            write,
+            answer_text(tokenizer, request),
+            group,
+            cancelled,
+            generation_stream,
+            cancellable=cancellable,
+            on_response=on_response,
+        )
+    except PrefillCancelled as e:
+        mx.synchronize(generation_stream)
+        stats = answer_stats(e.total, 0.0, 0, 0.0, 0, "cancelled", None)
+        return Generated("", [], stats)
     if speculation is not None:
         k, most = speculation.k, sampling_of(request).max_tokens
         drafted, accepted = draft_counts(answer.from_draft, k, most)
@@ -125,12 +133,50 @@ def use_kv_quant(kwargs: dict) -> None:
     KV_QUANT.update(kwargs)
 
 
+class PrefillCancelled(Exception):
+    """Rank 0 cancelled during the prefill, and every rank agreed after the same chunk."""
+
+    def __init__(self, done: int, total: int):
+        super().__init__(f"cancelled after {done} of {total} prompt tokens")
+        self.done, self.total = done, total
+
+
+def prefill_watch(
+    group=None,
+    cancelled: Callable[[], bool] | None = None,
+    cancellable: bool = False,
+    on_prefill: Callable[[int, int], None] | None = None,
+) -> Callable[[int, int], None]:
+    """mlx-lm's prompt_progress_callback, called after every prefill chunk on every rank alike:
+    the rank's progress ticks (a long prefill is not a stall), rank 0 reports it
+    (``on_prefill``), and when the answer is ``cancellable`` every rank learns after each chunk
+    whether rank 0 was cancelled (Ctrl-C in chat), so a prefill stops within one chunk."""
+    distributed = group is not None and group.size() > 1
+
+    def callback(done: int, total: int) -> None:
+        progress.tick()
+        if on_prefill is not None:
+            on_prefill(done, total)
+        if cancellable and 0 < done < total:
+            stop = cancelled is not None and cancelled()
+            if rank0_stopped(stop, group, generation_stream) if distributed else stop:
+                raise PrefillCancelled(done, total)
+
+    return callback
+
+
 def token_stream(
-    model, tokenizer, request: dict, prompt_cache=None, feed=None, speculation=None
+    model,
+    tokenizer,
+    request: dict,
+    prompt_cache=None,
+    feed=None,
+    speculation=None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> Iterable[Any]:
     """mlx-lm's stream of responses for ``request``: its seed, sampler and processors; with
     ``speculation``, mlx-lm's speculative step (the prompt cache then holds the model's
-    layers, then the proposer's)."""
+    layers, then the proposer's). ``on_progress``: mlx-lm's prompt_progress_callback."""
     s = sampling_of(request)
     mx.random.seed(s.seed)
     feed = request["tokens"] if feed is None else feed
@@ -146,7 +192,7 @@ def token_stream(
         sampler=sampler(request),
         logits_processors=processors(request, len(feed)),
         prompt_cache=prompt_cache,
-        prompt_progress_callback=lambda *_: progress.tick(),
+        prompt_progress_callback=on_progress or (lambda *_: progress.tick()),
         **extra,
     )
 

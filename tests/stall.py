@@ -5,7 +5,7 @@ one token asked). Printed per setting: the long prompt's time to its answer, the
 worst and median gap between tokens while it was being prefilled, and the tokens they got
 meanwhile. Each setting starts serve afresh, one after the other, in the same run.
 
-    python tests/stall.py --mode pipeline -n 2 --prompt-tokens 9000 --max-stall 0,0.5
+    python tests/stall.py --mode pipeline -n 2 --prompt-tokens 9000 --max-stall 0,0.25
 
 ``--max-stall 0`` is serve's behaviour before it had a pace: prefill steps of --prefill-step
 (2048) tokens whatever runs. Every rank gets one BLAS thread (OPENBLAS_NUM_THREADS=1), as a
@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -29,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serve_load import BIN, free_port, start, stop, wait_up  # noqa: E402
+from serve_load import BIN, free_port, stop, wait_up  # noqa: E402
 
 STREAM_PROMPT = "Tell me about lists"
 
@@ -43,50 +44,69 @@ def post(port: int, path: str, body: dict, timeout: float = 1800):
     return urllib.request.urlopen(req, timeout=timeout)
 
 
-def stream(port: int, model: str, times: list[float], stop_flag: threading.Event) -> None:
-    """One streaming completion; the arrival time of each token's event into ``times``."""
+def stream(port: int, model: str, times: list[float], stop_flag: threading.Event, eos: int) -> None:
+    """One streaming completion, its EOS out of reach (logit_bias); the arrival time of each
+    token's event into ``times``."""
     body = {"model": model, "prompt": STREAM_PROMPT, "max_tokens": 30000, "temperature": 0,
-            "stream": True}  # fmt: skip
+            "stream": True, "logit_bias": {str(eos): -100}}  # fmt: skip
     with post(port, "/v1/completions", body) as r:
         for line in r:
             if stop_flag.is_set():
                 return
             if line.startswith(b"data: {"):
                 times.append(time.perf_counter())
+            elif line.strip() and not line.startswith(b":"):
+                print(f"stream: {line!r}", file=sys.stderr)
+    print("stream: ended", file=sys.stderr)
 
 
-def long_text(tokens: int) -> str:
-    """About ``tokens`` tokens of distinct words (the tiny tokenizer splits each in a few)."""
-    words = [f"w{i % 997}x{i // 997}" for i in range(tokens // 3)]
-    return " ".join(words)
+def long_text(model: str, tokens: int) -> str:
+    """Distinct words that the model's tokenizer makes about ``tokens`` tokens of."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    words = [f"w{i % 997}x{i // 997}" for i in range(tokens)]
+    per_word = len(tokenizer.encode(" ".join(words[:1000]))) / 1000
+    return " ".join(words[: int(tokens / per_word)])
 
 
-def measure(model: str, mode: str, ranks: int, max_stall: float, prompt_tokens: int) -> dict:
+def measure(
+    model: str, mode: str, ranks: int, max_stall: float, prompt_tokens: int, log: str | None
+) -> dict:
     port = free_port()
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     argv = [str(BIN / "mlx-cluster"), "serve", "-n", str(ranks), "--mode", mode, "--model",
             model, "--port", str(port), "--max-stall", str(max_stall)]  # fmt: skip
-    proc = start(argv, env)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=open(log, "w") if log else subprocess.DEVNULL,
+                            start_new_session=True, env=env)  # fmt: skip
     name = Path(model).name
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(model).eos_token_id
     stop_flag = threading.Event()
     try:
         wait_up(port, proc)
         post(port, "/v1/completions", {"model": name, "prompt": "Warm up.", "max_tokens": 4})
         streams = [[], []]
         threads = [
-            threading.Thread(target=stream, args=(port, name, t, stop_flag), daemon=True)
+            threading.Thread(target=stream, args=(port, name, t, stop_flag, eos), daemon=True)
             for t in streams
         ]
         for t in threads:
             t.start()
         while min(len(t) for t in streams) < 20:
+            if not all(t.is_alive() for t in threads):
+                raise RuntimeError("a stream ended before the long prompt was sent")
             time.sleep(0.05)
         sent = time.perf_counter()
-        body = {"model": name, "prompt": long_text(prompt_tokens), "max_tokens": 1,
+        body = {"model": name, "prompt": long_text(model, prompt_tokens), "max_tokens": 1,
                 "temperature": 0}  # fmt: skip
         answer = json.loads(post(port, "/v1/completions", body).read())
         done = time.perf_counter()
         while not all(t[-1] > done for t in streams):  # each stream's next token after it
+            if not all(t.is_alive() for t in threads):
+                raise RuntimeError("a stream ended while the long prompt was answered")
             time.sleep(0.05)
         stop_flag.set()
         gaps, during = [], 0
@@ -96,6 +116,9 @@ def measure(model: str, mode: str, ranks: int, max_stall: float, prompt_tokens: 
             upto = [before[-1], *(t for t in inside if t <= done), min(t for t in inside
                                                                        if t > done)]  # fmt: skip
             gaps += [b - a for a, b in itertools.pairwise(upto)]
+            worst = sorted(((b - a, a - sent) for a, b in itertools.pairwise(upto)), reverse=True)
+            shown = ", ".join(f"{g:.2f} at {t:.1f}" for g, t in worst[:4])
+            print(f"worst gaps (s, at s after the long prompt was sent): {shown}", file=sys.stderr)
         return {
             "mode": mode,
             "ranks": ranks,
@@ -117,7 +140,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=["pipeline", "tensor"], default="pipeline")
     parser.add_argument("-n", "--ranks", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=9000)
-    parser.add_argument("--max-stall", default="0,0.5", help="comma-separated settings")
+    parser.add_argument("--max-stall", default="0,0.25", help="comma-separated settings")
+    parser.add_argument("--log", help="serve's stderr to LOG.<setting>")
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -141,7 +165,8 @@ def main() -> None:
           "| median gap (s) | stream tokens meanwhile |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for stall in (float(x) for x in args.max_stall.split(",")):
-        r = measure(model, args.mode, args.ranks, stall, args.prompt_tokens)
+        log = f"{args.log}.{stall:g}" if args.log else None
+        r = measure(model, args.mode, args.ranks, stall, args.prompt_tokens, log)
         print(f"| {r['mode']} | {r['ranks']} | {r['max_stall']:g} | {r['prompt_tokens']} | "
               f"{r['answer_s']:.1f} | {r['worst_gap_s']:.2f} | {r['median_gap_s']:.3f} | "
               f"{r['stream_tokens']} |", flush=True)  # fmt: skip

@@ -271,8 +271,8 @@ def test_prefill_pace_follows_the_measured_rate():
     assert pace.step(decoding=True) == 500
     pace.measured(200, 1.0)  # a longer prompt prefills slower: the step follows
     assert pace.step(decoding=True) == 300
-    pace.measured(1, 1.0)
-    pace.measured(1, 1.0)
+    for _ in range(5):
+        pace.measured(1, 1.0)
     assert pace.step(decoding=True) == PREFILL_MIN  # never below
     pace.measured(10**6, 1.0)
     assert pace.step(decoding=True) == 2048  # never above --prefill-step
@@ -317,3 +317,28 @@ def test_a_long_prompt_is_prefilled_in_steps_between_the_running_answers_tokens(
     batch.apply({"remove": [0]})
     assert not batch.live
     batch.close()
+
+
+def test_a_cancel_during_the_prefill_stops_it_within_one_chunk(tmp_path):
+    """node.generate on one rank, cancellable (chat): rank 0 cancelled after the first chunk;
+    the prefill stops there, the answer is empty and "cancelled", and the cache holds exactly
+    the chunk prefilled (chat keeps it for the next turn)."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+    from tiny import make_model
+
+    from node.generate import generate
+    from node.sampling import settings
+
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    model, tokenizer = load(str(make_model(tmp_path / "m", "llama", seed=1, **small)))
+    request = {"tokens": [5 + i % 200 for i in range(5000)], **settings(Sampling(max_tokens=4))}
+    seen: list[tuple[int, int]] = []
+    cache = make_prompt_cache(model)
+    answer = generate(model, tokenizer, request, lambda _: None, prompt_cache=cache,
+                      cancelled=lambda: bool(seen) and seen[-1][0] > 0, cancellable=True,
+                      on_prefill=lambda d, t: seen.append((d, t)))  # fmt: skip
+    assert answer.stats["finish_reason"] == "cancelled" and answer.tokens == [], answer.stats
+    assert seen == [(0, 5000), (2048, 5000)], seen  # mlx-lm's chunks of 2048
+    assert cache[0].offset == 2048

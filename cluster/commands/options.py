@@ -378,7 +378,7 @@ SERVE = {  # ServeSettings
         show_default=True,
         help="Seconds a prefill step may pause answers already decoding: while any are, a "
         "long prompt's steps shrink to what the ranks prefill in this time (measured as they "
-        "go; at least 128 tokens). 0: steps of --prefill-step always.",
+        "go; at least 32 tokens). 0: steps of --prefill-step always.",
     ),
     "prompt_cache_size": click.option(
         "--prompt-cache-size",

@@ -63,6 +63,16 @@ class FirstToken:
 
 
 @dataclass
+class Prefill:
+    """Rank 0, after each chunk of a prompt's prefill (launch, chat). In pipeline mode rank 0
+    runs the last stage, so a chunk done there is done on every stage."""
+
+    kind = "prefill"
+    done: int  # prompt tokens prefilled so far
+    total: int
+
+
+@dataclass
 class Stats:
     """One answer: llama-server's usage and timings fields."""
 
@@ -201,6 +211,7 @@ Event = (
     | Phase
     | Ready
     | FirstToken
+    | Prefill
     | Stats
     | Serving
     | Piece

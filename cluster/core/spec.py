@@ -73,7 +73,7 @@ class ServeSettings:
     decode_concurrency: int = 32  # most requests decoded together
     prompt_concurrency: int = 8  # most prompts prefilled together
     prefill_step: int = 2048  # most prompt tokens of a request per prefill step (mlx-lm's)
-    max_stall: float = 0.5  # longest a prefill step may pause running streams (0: off)
+    max_stall: float = 0.25  # longest a prefill step may pause running streams (0: off)
     prompt_cache_size: int = 10  # finished answers whose caches every rank keeps (0: none)
     serve_cache_gb: float | None = None  # their most KV per rank (None: from memory left)
     max_tokens_cap: int = 32768  # the most max_tokens a request may ask

@@ -22,6 +22,7 @@ from cluster.core.protocol import (
     Memory,
     Notice,
     Phase,
+    Prefill,
     Ready,
     Stats,
 )
@@ -71,6 +72,8 @@ class JobState:
     command: str = "generate"
     result: JobResult = field(default_factory=lambda: JobResult(exit_code=0))
     ready: int = 0  # ranks that reported Ready
+    prefill_from: float | None = None  # when the prompt's prefill began (seconds into the job)
+    prefill_said: float = 0.0  # when progress was last shown
 
     @property
     def all_ready(self) -> bool:
@@ -83,6 +86,26 @@ class Say:
 
     text: str
     prefix: bool = True
+
+
+PREFILL_SHOWN_FROM = 4096  # prompt tokens: a shorter prefill needs no progress line
+PREFILL_EVERY_S = 2.0
+
+
+def prefill_progress(job: JobState, event: Prefill, elapsed: float) -> list[Say]:
+    """A long prompt's prefill: tokens done, the rate so far and the time left, every
+    PREFILL_EVERY_S."""
+    if event.done == 0 or job.prefill_from is None:
+        job.prefill_from, job.prefill_said = elapsed, elapsed
+    if event.total < PREFILL_SHOWN_FROM or not 0 < event.done < event.total:
+        return []
+    if elapsed - job.prefill_said < PREFILL_EVERY_S:
+        return []
+    job.prefill_said = elapsed
+    rate = event.done / max(elapsed - job.prefill_from, 1e-9)
+    left = (event.total - event.done) / rate
+    return [Say(f"prefill {event.done}/{event.total} tokens ({100 * event.done // event.total}%)"
+                f", {rate:.0f} tok/s, about {left:.0f} s left")]  # fmt: skip
 
 
 def on_event(job: JobState, rank: int, event: Event, elapsed: float) -> list[Say]:
@@ -99,6 +122,8 @@ def on_event(job: JobState, rank: int, event: Event, elapsed: float) -> list[Say
         if job.all_ready:
             job.result.ready_s = elapsed
             said.append(Say(f"all ranks ready after {elapsed:.1f} s"))
+    elif isinstance(event, Prefill):
+        said += prefill_progress(job, event, elapsed)
     elif isinstance(event, FirstToken):
         if job.result.first_token_s is None:
             job.result.first_token_s = elapsed
