@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from cluster.core.modelcheck import model_id
-from cluster.core.protocol import END_OF_INPUT, Counted, Memory, Refused, Serving, Stats
+from cluster.core.protocol import END_OF_INPUT, Counted, Memory, Prefill, Refused, Serving, Stats
 from cluster.core.spec import JobSpec, ServeRequest, from_dict
 
 from .generate import AnswerText, answer_stats, answer_text
@@ -357,6 +357,13 @@ class Scheduler:
             )
         self.inserting = []
 
+    def prefill_progress(self, prefilling: dict[int, tuple[int, int]]) -> None:
+        """How far each request being prefilled has come (/health shows it)."""
+        for uid, (done, total) in prefilling.items():
+            one = self.lives.get(uid)
+            if one is not None and done:
+                self.emit(Prefill(done + one.cached, total + one.cached, one.ticket.request.id))
+
     def failed(self, ticket: Ticket, why: str) -> None:
         self.emit(Refused(ticket.request.id, 500, f"the request failed on the ranks ({why}); "
                                                "the server goes on"))  # fmt: skip
@@ -522,6 +529,11 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
                     cancellable=True,
                     on_response=functools.partial(scheduler.logprobs, ticket) if rank0 else None,
                     speculation=loaded.speculation,
+                    on_prefill=(
+                        lambda d, t, r=ticket: emit(Prefill(d, t, r.request.id)) if d else None
+                    )
+                    if rank0
+                    else None,
                 )
                 if rank0:
                     scheduler.inserting = []
@@ -533,5 +545,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
         if batch is not None:
             batch.round(scheduler.on_token if rank0 else None)
             live = len(batch.live)
+            if rank0:
+                scheduler.prefill_progress(batch.prefilling)
     if batch is not None:
         batch.close()

@@ -328,3 +328,44 @@ def test_plan_helpers():
     rows[2]["comm_s_per_token"] = 0.005  # tensor on 2: half of 10 ms, plus 5 ms on the link
     add_ratios(rows)
     assert math.isclose(rows[2]["predicted_generation_tps"], 1 / (0.01 / 2 + 0.005))
+
+
+@pytest.mark.e2e
+def test_a_list_of_prompt_lengths_sweeps_each(models, tmp_path):
+    """--prompt-tokens 8,32: every configuration at each length, mlx-lm beside it in the same
+    run; ratios within a length; the table has the length; the plot shows first-token time
+    and prefill tok/s against it."""
+    out, plot = tmp_path / "b.json", tmp_path / "b.png"
+    p = run_cli("bench", "--model", models["qwen2"], "--ranks", "1", "--baselines", "mlx-lm",
+                "--prompt-tokens", "32,8", "--gen-tokens", 2, "--repeat", 1, "--warmup", 0,
+                "--json", out, "--plot", plot)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    report = json.loads(out.read_text())
+    assert report["settings"]["prompt_lengths"] == [8, 32]
+    rows = report["results"]
+    assert [(r["impl"], r["prompt_tokens"]) for r in rows] == [
+        ("mlx-cluster", 8), ("mlx-lm", 8), ("mlx-cluster", 32), ("mlx-lm", 32)
+    ]  # fmt: skip
+    for r in rows:
+        assert r["status"] == "ok" and r["ttft_s"]["median"] > 0, r
+    # a row is compared with mlx-lm at its own length
+    assert rows[0]["vs_mlx_lm"]["prefill_tps"] == pytest.approx(
+        rows[0]["prefill_tps"]["median"] / rows[1]["prefill_tps"]["median"]
+    )
+    head = p.stdout.splitlines()[0]
+    assert "| ranks | prompt tokens | first token s |" in head, head
+    assert plot.stat().st_size > 0
+
+
+def test_each_prompt_length_gets_the_whole_sweep_and_a_column():
+    from cluster.rig.bench import configs, table
+
+    plan = BenchPlan(model="m", modes=["pipeline"], ranks=[1, 2], prompt_lengths=[8, 32])
+    got = [(c.impl, c.mode, c.ranks, c.prompt_tokens) for c in configs(plan)]
+    assert got == [(impl, mode, n, p) for p in (8, 32) for impl, mode, n in [
+        ("mlx-cluster", None, 1), ("mlx-lm", None, 1), ("mlx-cluster", "pipeline", 2),
+        ("mlx-lm", "pipeline", 2)]]  # fmt: skip
+    rows = [{**blank(c, plan), "status": "failed", "reason": "x"} for c in configs(plan)[:2]]
+    assert "| ranks | first token s |" in table(rows)  # one length: no column
+    rows[1]["prompt_tokens"] = 32
+    assert "| ranks | prompt tokens | first token s |" in table(rows)

@@ -342,3 +342,18 @@ def test_a_cancel_during_the_prefill_stops_it_within_one_chunk(tmp_path):
     assert answer.stats["finish_reason"] == "cancelled" and answer.tokens == [], answer.stats
     assert seen == [(0, 5000), (2048, 5000)], seen  # mlx-lm's chunks of 2048
     assert cache[0].offset == 2048
+
+
+def test_health_shows_each_request_being_prefilled():
+    """Rank 0's Prefill events per request: /health lists how far each has come, until its
+    first text."""
+    from cluster.core.protocol import Piece, Prefill
+
+    svc, sent = service()
+    start_job(svc, sent)
+    req = request(True)
+    svc.submit(req)
+    svc.on_event(0, Prefill(4096, 30000, req.id))
+    assert svc.health()["prefilling"] == [{"id": req.id, "done": 4096, "total": 30000}]
+    svc.on_event(0, Piece(req.id, "hi"))
+    assert svc.health()["prefilling"] == []

@@ -56,16 +56,20 @@ def parse_baselines(ctx, param, value: str) -> tuple[str, ...]:
     return tuple(comma_choices(value, BASELINES, "single,mlx-lm", none_ok=True))
 
 
-def parse_ranks(ctx, param, value: str) -> list[int]:
+def parse_counts(value: str, what: str, example: str) -> list[int]:
     try:
-        ranks = [int(x) for x in value.split(",") if x.strip()]
+        counts = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
-        ranks = []
-    if not ranks or any(n < 1 for n in ranks):
+        counts = []
+    if not counts or any(n < 1 for n in counts):
         raise click.BadParameter(
-            f"{value!r}: give a comma-separated list of rank counts, each 1 or more (e.g. 1,2,3)"
+            f"{value!r}: give a comma-separated list of {what}, each 1 or more (e.g. {example})"
         )
-    return sorted(set(ranks))
+    return sorted(set(counts))
+
+
+def parse_ranks(ctx, param, value: str) -> list[int]:
+    return parse_counts(value, "rank counts", "1,2,3")
 
 
 @click.command()
@@ -87,10 +91,12 @@ def parse_ranks(ctx, param, value: str) -> list[int]:
 )
 @click.option(
     "--prompt-tokens",
-    type=click.IntRange(min=1),
-    default=default(BenchSettings, "prompt_tokens"),
+    "prompt_lengths",
+    default=str(default(BenchSettings, "prompt_tokens")),
     show_default=True,
-    help="Length of the synthetic prompt, exactly.",
+    callback=lambda ctx, param, value: parse_counts(value, "prompt lengths", "1024,8192,32768"),
+    help="Length of the synthetic prompt, exactly; a comma-separated list runs the sweep for "
+    "each (the table and plot then show first-token time and prefill tok/s against it).",
 )
 @click.option(
     "--gen-tokens",
@@ -174,6 +180,7 @@ def bench(hostfile, backend, json_file, csv_file, plot_file, **values):
     values["model"] = model_or_default(values["model"])
     draft = draft_of(values)
     plan = pick(BenchPlan, values)
+    plan.prompt_tokens = plan.prompt_lengths[0]
     plan.draft = draft
     launch = pick(LaunchSettings, values)
     hf = resolve_hostfile(hostfile, max(plan.ranks) if hostfile is None else None, backend)
@@ -206,7 +213,7 @@ def bench(hostfile, backend, json_file, csv_file, plot_file, **values):
         plot(
             rows,
             plot_file,
-            f"{Path(plan.model).name}: {plan.prompt_tokens} prompt, "
+            f"{Path(plan.model).name}: {','.join(map(str, plan.lengths))} prompt, "
             f"{plan.gen_tokens} generated tokens",
         )
     click.echo(table(rows), nl=False, err=json_file == "-")
@@ -232,6 +239,7 @@ def bench_settings(plan, hostfile) -> dict:
         "modes": plan.modes,
         "ranks": plan.ranks,
         "prompt_tokens": plan.prompt_tokens,
+        "prompt_lengths": plan.lengths,
         "gen_tokens": plan.gen_tokens,
         "repeat": plan.repeat,
         "warmup": plan.warmup,

@@ -64,12 +64,13 @@ class FirstToken:
 
 @dataclass
 class Prefill:
-    """Rank 0, after each chunk of a prompt's prefill (launch, chat). In pipeline mode rank 0
-    runs the last stage, so a chunk done there is done on every stage."""
+    """Rank 0, after each chunk of a prompt's prefill (launch, chat; serve: per request). In
+    pipeline mode rank 0 runs the last stage, so a chunk done there is done on every stage."""
 
     kind = "prefill"
     done: int  # prompt tokens prefilled so far
     total: int
+    request: str | None = None  # serve: the API request's id
 
 
 @dataclass

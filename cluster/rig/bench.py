@@ -62,6 +62,11 @@ class BenchPlan(BenchSettings):
     baselines: tuple[str, ...] = DEFAULT_BASELINES
     baseline_timeout: float = 1800.0
     draft: Draft = field(default_factory=Draft)  # when on: each of ours also with it
+    prompt_lengths: list[int] = field(default_factory=list)  # each sweep's; [] -> prompt_tokens
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.prompt_lengths or [self.prompt_tokens]
 
 
 @dataclass
@@ -70,29 +75,34 @@ class Config:
     mode: str | None  # None: one rank, nothing sharded
     ranks: int
     draft: bool = False  # with the plan's speculative decoding
+    prompt_tokens: int = 512
 
     @property
     def label(self) -> str:
-        return f"{self.impl} {self.mode or 'single'} {self.ranks} rank(s)" + (
-            " with the draft" if self.draft else ""
+        return (
+            f"{self.impl} {self.mode or 'single'} {self.ranks} rank(s)"
+            + (" with the draft" if self.draft else "")
+            + f", {self.prompt_tokens}-token prompt"
         )
 
 
 def configs(plan: BenchPlan) -> list[Config]:
-    """What to run, in order: one rank first (the baseline), then each mode by rank count;
-    each of ours followed by the mlx-lm baselines of the same configuration."""
+    """What to run, in order, for each prompt length: one rank first (the baseline), then
+    each mode by rank count; each of ours followed by the mlx-lm baselines of the same
+    configuration."""
     theirs = [b for b in (MLX_LM, MLX_LAUNCH) if b in plan.baselines]
     out = []
     drafts = [False, True] if plan.draft.on else [False]
-    if 1 in plan.ranks or "single" in plan.baselines:
-        out += [Config(OURS, None, 1, draft) for draft in drafts]
-        if theirs:  # one process: no launcher to tell apart
-            out.append(Config(MLX_LM, None, 1))
-    for mode in plan.modes:
-        for n in plan.ranks:
-            if n > 1:
-                out += [Config(OURS, mode, n, draft) for draft in drafts]
-                out.extend(Config(impl, mode, n) for impl in theirs)
+    for p in plan.lengths:
+        if 1 in plan.ranks or "single" in plan.baselines:
+            out += [Config(OURS, None, 1, draft, p) for draft in drafts]
+            if theirs:  # one process: no launcher to tell apart
+                out.append(Config(MLX_LM, None, 1, prompt_tokens=p))
+        for mode in plan.modes:
+            for n in plan.ranks:
+                if n > 1:
+                    out += [Config(OURS, mode, n, draft, p) for draft in drafts]
+                    out.extend(Config(impl, mode, n, prompt_tokens=p) for impl in theirs)
     return out
 
 
@@ -134,7 +144,7 @@ def blank(config: Config, plan: BenchPlan) -> dict:
         "status": "ok",
         "reason": None,
         "command": None,
-        "prompt_tokens": plan.prompt_tokens,
+        "prompt_tokens": config.prompt_tokens,
         "gen_tokens": plan.gen_tokens,
         "warmup": plan.warmup if config.impl == OURS else 1,  # mlx_lm.benchmark's own
         "repeat": plan.repeat,
@@ -184,7 +194,10 @@ def run_ours(
         mode=config.mode or "pipeline",
         command="bench",
         blas=plan.blas,
-        bench=BenchSettings(**{f.name: getattr(plan, f.name) for f in fields(BenchSettings)}),
+        bench=replace(
+            BenchSettings(**{f.name: getattr(plan, f.name) for f in fields(BenchSettings)}),
+            prompt_tokens=config.prompt_tokens,
+        ),
         draft=plan.draft if config.draft else Draft(),
     )
     try:
@@ -240,7 +253,7 @@ def our_command(config: Config, plan: BenchPlan, hostfile: Hostfile) -> str:
             mode += f" --draft-on {d.draft_on}"
     return (
         f"mlx-cluster bench {where} --model {plan.model}{mode} --ranks {config.ranks} "
-        f"--prompt-tokens {plan.prompt_tokens} --gen-tokens {plan.gen_tokens} "
+        f"--prompt-tokens {config.prompt_tokens} --gen-tokens {plan.gen_tokens} "
         f"--repeat {plan.repeat} --warmup {plan.warmup} --baselines none"
     ).replace("  ", " ")
 
@@ -255,7 +268,7 @@ def mlx_lm_command(config: Config, plan: BenchPlan, python: str) -> list[str]:
         "--model",
         plan.model,
         "--prompt-tokens",
-        str(plan.prompt_tokens),
+        str(config.prompt_tokens),
         "--generation-tokens",
         str(plan.gen_tokens),
         "--num-trials",
@@ -324,7 +337,7 @@ def run_mlx_lm(config: Config, plan: BenchPlan, hostfile: Hostfile, stderr) -> d
         prompt_tps, generation_tps = float(m.group(1)), float(m.group(2))
         row["runs"].append(
             {
-                "ttft_s": plan.prompt_tokens / prompt_tps,
+                "ttft_s": config.prompt_tokens / prompt_tps,
                 "prefill_tps": prompt_tps,
                 # mlx-lm divides n tokens by the time after the first: ours counts n-1
                 "generation_tps": generation_tps * (g - 1) / g,
@@ -421,20 +434,25 @@ def _stop_group(proc: subprocess.Popen, sig: int) -> None:
 def add_ratios(rows: list[dict]) -> None:
     """Ratios from the same run: against the 1-rank row of the same implementation, and
     (ours) against mlx-lm's row of the same mode and rank count."""
-    ok = {(r["impl"], r["mode"], r["ranks"], r["draft"]): r for r in rows if r["status"] == "ok"}
+    ok = {
+        (r["impl"], r["mode"], r["ranks"], r["draft"], r["prompt_tokens"]): r
+        for r in rows
+        if r["status"] == "ok"
+    }
     for r in rows:
         if r["status"] != "ok":
             continue
-        if r["draft"] and (plain := ok.get((r["impl"], r["mode"], r["ranks"], False))):
+        p = r["prompt_tokens"]
+        if r["draft"] and (plain := ok.get((r["impl"], r["mode"], r["ranks"], False, p))):
             r["vs_no_draft"] = _ratios(r, plain)
-        single = ok.get((_single_impl(r["impl"]), None, 1, False))
+        single = ok.get((_single_impl(r["impl"]), None, 1, False, p))
         if single is not None and r is not single:
             r["vs_single"] = _ratios(r, single)
             if r["impl"] == OURS and r["tokens_sha"] and single["tokens_sha"]:
                 r["same_tokens_as_single"] = r["tokens_sha"] == single["tokens_sha"]
             r["predicted_generation_tps"] = predicted_generation_tps(r, single)
-        theirs = ok.get((MLX_LM, r["mode"], r["ranks"], False)) or ok.get(
-            (MLX_LAUNCH, r["mode"], r["ranks"], False)
+        theirs = ok.get((MLX_LM, r["mode"], r["ranks"], False, p)) or ok.get(
+            (MLX_LAUNCH, r["mode"], r["ranks"], False, p)
         )
         if r["impl"] == OURS and theirs is not None:
             r["vs_mlx_lm"] = _ratios(r, theirs)
@@ -543,9 +561,12 @@ def table(rows: list[dict]) -> str:
     """A markdown table of the sweep: medians with [min-max] over the timed runs; with a
     draft, each configuration's row with it follows the row without, and says the ratio."""
     drafts = any(r.get("draft") for r in rows)
+    lengths = len({r["prompt_tokens"] for r in rows}) > 1
     head = list(TABLE_HEAD)
     if drafts:
         head[9:9] = DRAFT_HEAD
+    if lengths:
+        head[3:3] = ["prompt tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         mode = (r["mode"] or "-") + (" +draft" if r.get("draft") else "")
@@ -578,6 +599,9 @@ def table(rows: list[dict]) -> str:
                     _fmt_ratio(r.get("vs_no_draft")),
                     "-" if accepted is None else f"{100 * accepted:.0f}%",
                 ]
+        if lengths:
+            cells[3:3] = [str(r["prompt_tokens"])]
+            cells = cells[: len(head)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -653,8 +677,11 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     ok = [r for r in rows if r["status"] == "ok" and r["generation_tps"]]
+    lengths = sorted({r["prompt_tokens"] for r in ok})
+    if len(lengths) > 1:
+        return plot_prefill(ok, path, title)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     modes = sorted({r["mode"] for r in ok if r["mode"]})
     for impl, style in ((OURS, "-o"), (MLX_LM, "--s"), (MLX_LAUNCH, ":^")):
         single = [r for r in ok if r["impl"] == _single_impl(impl) and r["mode"] is None]
@@ -680,6 +707,37 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_xticks(sorted({r["ranks"] for r in ok}) or [1])
     ax.grid(True, alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_prefill(ok: list[dict], path: str, title: str) -> None:
+    """Several prompt lengths: time to first token and prefill tokens/s against the prompt's
+    length, one line per implementation, mode and rank count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    lines: dict[tuple, list[dict]] = {}
+    for r in ok:
+        lines.setdefault((r["impl"], r["mode"], r["ranks"], r["draft"]), []).append(r)
+    for (impl, mode, ranks, draft), points in lines.items():
+        points.sort(key=lambda r: r["prompt_tokens"])
+        x = [p["prompt_tokens"] for p in points]
+        label = f"{impl} {mode or 'single'} {ranks}" + (" +draft" if draft else "")
+        style = "-o" if impl == OURS else "--s"
+        left.plot(x, [p["ttft_s"]["median"] for p in points], style, label=label)
+        right.plot(x, [p["prefill_tps"]["median"] for p in points], style, label=label)
+    for ax, what in ((left, "time to first token (s, median)"), (right, "prefill tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(what)
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

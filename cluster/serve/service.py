@@ -36,6 +36,7 @@ from cluster.core.protocol import (
     Counted,
     Event,
     Piece,
+    Prefill,
     Refused,
     Serving,
     Stats,
@@ -79,6 +80,7 @@ class Flight:
     shown: bool = False  # text reached the client's queue
     last: float = 0.0  # when the last text came
     gone: bool = False  # the client left; its end is dropped
+    prefill: tuple[int, int] | None = None  # prompt tokens prefilled, of: while rank 0 does
 
 
 class Service:
@@ -249,6 +251,11 @@ class Service:
             "dropped_after_failures": [i for f in self.failures for i in f.dropped],
             "waiting": len(self.pending),
             "in_flight": len(self.inflight),
+            "prefilling": [
+                {"id": f.req.id, "done": f.prefill[0], "total": f.prefill[1]}
+                for f in self.inflight.values()
+                if f.prefill is not None and not f.shown
+            ],
         }
 
     def attached(self, outbox: queue.Queue, state: JobState) -> None:
@@ -267,7 +274,9 @@ class Service:
         if flight is None:
             return
         req = flight.req
-        if isinstance(event, (Piece, ToolCall)):
+        if isinstance(event, Prefill):
+            flight.prefill = (event.done, event.total)
+        elif isinstance(event, (Piece, ToolCall)):
             if not flight.shown:
                 self.metrics.ttft.observe(now - req.arrived)
             else:
