@@ -408,10 +408,18 @@ def answer_stats(
     }
 
 
+PREFILL_STEP = 2048  # mlx-lm's generate_step default
+
+
 def prompt_logits(model, tokens: list[int]) -> list[float]:
-    """The next-token logits after the prompt, in float32: one forward pass on every rank
-    (for comparing a sharded run with a single-process one)."""
+    """The next-token logits after the prompt, in float32, on every rank (for comparing a
+    sharded run with a single-process one). The prompt goes in mlx-lm's prefill steps: whole,
+    a 32k-token prompt's attention scores alone would take heads x 32k x 32k floats."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    logits = model(mx.array(tokens)[None], cache=make_prompt_cache(model))
+    cache = make_prompt_cache(model)
+    for start in range(0, len(tokens), PREFILL_STEP):
+        logits = model(mx.array(tokens[start : start + PREFILL_STEP])[None], cache=cache)
+        mx.eval(logits, [c.state for c in cache])
+        progress.tick()
     return logits[0, -1].astype(mx.float32).tolist()

@@ -383,6 +383,8 @@ def render(results: dict[str, dict[str, Cell]]) -> str:
         "- **differs**: the text diverges and a logit is further off (a bug).",
         "- **unsupported**: the tool refuses before or while loading, with the reason below.",
         "- **failed**: the run broke (a bug).",
+        "- Long prompts (32k tokens) are measured by `tests/long_context.py`:",
+        "  [long-context.md](long-context.md).",
         "",
         f"Measured with mlx {version('mlx')}, mlx-lm {version('mlx-lm')}, mlx-vlm "
         f"{version('mlx-vlm')} on {platform.system()} {platform.machine()}.",
