@@ -181,8 +181,8 @@ def token_stream(
     mx.random.seed(s.seed)
     feed = request["tokens"] if feed is None else feed
     extra = dict(KV_QUANT)
-    if speculation is not None:
-        extra = {"draft_model": speculation.proposer, "num_draft_tokens": speculation.k}
+    if speculation is not None:  # mlx-lm's speculative step takes --kv-bits too
+        extra.update(draft_model=speculation.proposer, num_draft_tokens=speculation.k)
         model = Ticking(model)  # mlx-lm drops the prefill callback when it speculates
     return stream_generate(
         model,

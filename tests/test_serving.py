@@ -357,3 +357,22 @@ def test_health_shows_each_request_being_prefilled():
     assert svc.health()["prefilling"] == [{"id": req.id, "done": 4096, "total": 30000}]
     svc.on_event(0, Piece(req.id, "hi"))
     assert svc.health()["prefilling"] == []
+
+
+def test_kv_bits_reach_mlx_lm_with_and_without_a_draft(monkeypatch):
+    """--kv-bits goes to mlx-lm's stream_generate on every path, the speculative one too."""
+    import node.generate as g
+    from node.sampling import settings
+
+    seen: list[dict] = []
+    monkeypatch.setattr(g, "stream_generate", lambda *a, **kw: seen.append(kw) or iter(()))
+    g.use_kv_quant({"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 0})
+    try:
+        request = {"tokens": [1, 2], **settings(Sampling(max_tokens=2))}
+        g.token_stream(None, None, request)
+        draft = type("Speculation", (), {"proposer": "p", "k": 3})()
+        g.token_stream(None, None, request, speculation=draft)
+    finally:
+        g.use_kv_quant({})
+    assert all(kw["kv_bits"] == 4 and kw["quantized_kv_start"] == 0 for kw in seen), seen
+    assert seen[1]["draft_model"] == "p" and seen[1]["num_draft_tokens"] == 3
