@@ -64,7 +64,7 @@ def write_text(text: str) -> None:
 
 def run(spec: JobSpec) -> None:
     from .dist import barrier, init_group
-    from .generate import generate, prompt_logits, use_kv_quant
+    from .generate import generate, use_kv_quant
     from .load import load_shard
     from .memory import apply_metal_limits
     from .share import share_from_rank0
@@ -122,12 +122,14 @@ def run(spec: JobSpec) -> None:
         write = write_text if rank == 0 else None
         if command == "logits":  # the prompt's logits, then the text, in one JSON line
             emit(Phase("generating", prompt_tokens=len(request["tokens"])))
-            logits = prompt_logits(loaded.model, request["tokens"])
             pieces: list[str] = []
+            first: list = []
             generate(loaded.model, loaded.tokenizer, request, pieces.append if write else None,
-                     group)  # fmt: skip
+                     group, first_logits=first,
+                     on_prefill=report_prefill if rank == 0 else None)  # fmt: skip
             if write:
                 n = len(request["tokens"])
+                logits = first[0].tolist()
                 write(json.dumps({"prompt_tokens": n, "logits": logits, "text": "".join(pieces)}))
                 write("\n")
         elif loaded.processor is not None:

@@ -75,6 +75,7 @@ def generate(
     on_response: Callable[[Any], None] | None = None,
     speculation=None,
     on_prefill: Callable[[int, int], None] | None = None,
+    first_logits: list | None = None,
 ) -> Generated:
     """Decode ``request`` (identical on every rank); ``write`` gets text segments on rank 0.
 
@@ -83,11 +84,15 @@ def generate(
     also during the prefill; ``cancelled`` is how rank 0 learns it; ``on_response`` (rank 0)
     sees each response before its text (serve's logprobs); ``on_prefill`` (rank 0) gets
     (prompt tokens done, of) after each prefill chunk. With ``speculation`` (node.draft), its
-    proposer drafts and the model verifies K+1 tokens per pass."""
+    proposer drafts and the model verifies K+1 tokens per pass. ``first_logits`` (a list) gets
+    the next-token logits after the prompt, as the first step sees them (``launch --logits``:
+    the prompt is prefilled once for both the logits and the text)."""
     watch = prefill_watch(group, cancelled, cancellable, on_prefill)
     try:
         answer = stream(
-            token_stream(model, tokenizer, request, prompt_cache, feed, speculation, watch),
+            token_stream(
+                model, tokenizer, request, prompt_cache, feed, speculation, watch, first_logits
+            ),
             write,
             answer_text(tokenizer, request),
             group,
@@ -173,10 +178,12 @@ def token_stream(
     feed=None,
     speculation=None,
     on_progress: Callable[[int, int], None] | None = None,
+    first_logits: list | None = None,
 ) -> Iterable[Any]:
     """mlx-lm's stream of responses for ``request``: its seed, sampler and processors; with
     ``speculation``, mlx-lm's speculative step (the prompt cache then holds the model's
-    layers, then the proposer's). ``on_progress``: mlx-lm's prompt_progress_callback."""
+    layers, then the proposer's). ``on_progress``: mlx-lm's prompt_progress_callback;
+    ``first_logits``: see ``generate``."""
     s = sampling_of(request)
     mx.random.seed(s.seed)
     feed = request["tokens"] if feed is None else feed
@@ -190,7 +197,10 @@ def token_stream(
         mx.array(feed),
         s.max_tokens,
         sampler=sampler(request),
-        logits_processors=processors(request, len(feed)),
+        logits_processors=[
+            *([record_first(first_logits)] if first_logits is not None else []),
+            *processors(request, len(feed)),
+        ],
         prompt_cache=prompt_cache,
         prompt_progress_callback=on_progress or (lambda *_: progress.tick()),
         **extra,
@@ -408,18 +418,13 @@ def answer_stats(
     }
 
 
-PREFILL_STEP = 2048  # mlx-lm's generate_step default
+def record_first(into: list) -> Callable:
+    """A logits processor that keeps (in float32, before any other processor) the logits of
+    the first step: the next token's after the prompt."""
 
+    def record(tokens, logits):
+        if not into:
+            into.append(logits[0].astype(mx.float32))
+        return logits
 
-def prompt_logits(model, tokens: list[int]) -> list[float]:
-    """The next-token logits after the prompt, in float32, on every rank (for comparing a
-    sharded run with a single-process one). The prompt goes in mlx-lm's prefill steps: whole,
-    a 32k-token prompt's attention scores alone would take heads x 32k x 32k floats."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    for start in range(0, len(tokens), PREFILL_STEP):
-        logits = model(mx.array(tokens[start : start + PREFILL_STEP])[None], cache=cache)
-        mx.eval(logits, [c.state for c in cache])
-        progress.tick()
-    return logits[0, -1].astype(mx.float32).tolist()
+    return record

@@ -105,16 +105,26 @@ def reference_vlm(
     return _single_process("vlm", model_dir, prompt, max_tokens, image)
 
 
-def _text(model_dir: str, prompt: str, max_tokens: str, kv_bits: str | None = None) -> str:
+def _generated(model_dir: str, prompt: str, max_tokens: str, kv_bits: str | None = None):
+    """Single-process mlx-lm's greedy text (mlx_lm.generate) and the next-token logits after
+    the prompt as its first step computes them (a logits processor keeps them), as
+    ``launch --logits`` reports both from one prefill."""
     from mlx_lm import generate, load
     from mlx_lm.sample_utils import make_sampler
+
+    from node.generate import record_first
 
     model, tokenizer = load(model_dir)
     ids = _prompt_ids(tokenizer, prompt)
     kv = {"kv_bits": int(kv_bits), "quantized_kv_start": 0} if kv_bits else {}
-    return generate(
-        model, tokenizer, ids, max_tokens=int(max_tokens), sampler=make_sampler(0.0), **kv
-    )
+    first: list = []
+    text = generate(model, tokenizer, ids, max_tokens=int(max_tokens), sampler=make_sampler(0.0),
+                    logits_processors=[record_first(first)], **kv)  # fmt: skip
+    return text, first[0].tolist()
+
+
+def _text(model_dir: str, prompt: str, max_tokens: str, kv_bits: str | None = None) -> str:
+    return _generated(model_dir, prompt, max_tokens, kv_bits)[0]
 
 
 def _prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -128,12 +138,7 @@ def _prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def _logits(model_dir: str, prompt: str) -> list[float]:
-    import mlx.core as mx
-    from mlx_lm import load
-
-    model, tokenizer = load(model_dir)
-    logits = model(mx.array(_prompt_ids(tokenizer, prompt))[None])
-    return logits[0, -1].astype(mx.float32).tolist()
+    return _generated(model_dir, prompt, "1")[1]
 
 
 def _vlm(model_dir: str, prompt: str, max_tokens: str, image: str) -> str:
@@ -150,7 +155,8 @@ def _vlm(model_dir: str, prompt: str, max_tokens: str, image: str) -> str:
 
 
 def _both(model_dir: str, prompt: str, max_tokens: str) -> dict:
-    return {"text": _text(model_dir, prompt, max_tokens), "logits": _logits(model_dir, prompt)}
+    text, logits = _generated(model_dir, prompt, max_tokens)
+    return {"text": text, "logits": logits}
 
 
 def _many(listing: str) -> list:

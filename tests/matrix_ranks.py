@@ -6,7 +6,7 @@ tests/test_models.py runs the model matrix this way: the cells of one mode and r
 one start-up of their ranks (on this machine's two cores a rank's start costs seconds) instead of
 one ``mlx-cluster launch`` each. Each model goes through the code a launch runs on every rank:
 ``node.load.load_shard``, the request rank 0 builds and shares (``make_job_request``,
-``share_from_rank0``), ``prompt_logits`` and ``generate`` (``generate_vlm`` for a vision model).
+``share_from_rank0``) and ``generate`` with its first logits (``generate_vlm`` for a vision model).
 What a launch adds around them (the launcher, START, events) is proven by tests/test_launch.py.
 Rank 0 writes one JSON line per cell on stdout: family, text and (text models) the logits.
 """
@@ -26,7 +26,7 @@ import mlx.core as mx  # noqa: E402
 from cluster.core.spec import Request, Sampling  # noqa: E402
 from node.__main__ import make_job_request  # noqa: E402
 from node.dist import barrier, init_group  # noqa: E402
-from node.generate import generate, prompt_logits  # noqa: E402
+from node.generate import generate  # noqa: E402
 from node.load import load_shard  # noqa: E402
 from node.share import share_from_rank0  # noqa: E402
 from node.vlm import generate_vlm  # noqa: E402
@@ -48,8 +48,9 @@ def run_cell(cell: dict, mode: str, group) -> dict | None:
     if image is not None:
         generate_vlm(loaded.model, loaded.processor, shared, write, group)
     else:
-        answer["logits"] = prompt_logits(loaded.model, shared["tokens"])
-        generate(loaded.model, loaded.tokenizer, shared, write, group)
+        first: list = []
+        generate(loaded.model, loaded.tokenizer, shared, write, group, first_logits=first)
+        answer["logits"] = first[0].tolist()
     answer["text"] = "".join(pieces)
     barrier(group)
     return answer if rank0 else None
