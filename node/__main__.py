@@ -64,7 +64,7 @@ def write_text(text: str) -> None:
 
 def run(spec: JobSpec) -> None:
     from .dist import barrier, init_group
-    from .generate import generate, use_kv_quant
+    from .generate import generate, use_step_args
     from .load import load_shard
     from .memory import apply_metal_limits
     from .share import share_from_rank0
@@ -97,7 +97,9 @@ def run(spec: JobSpec) -> None:
     barrier(group)
     emit(Ready(time.perf_counter() - tic, layers=loaded.layers, files=loaded.files))
     check_kv_quant(loaded.config, spec.kv_quant.kv_bits, spec.kv_quant.kv_group_size)
-    use_kv_quant(spec.kv_quant.generate_kwargs())
+    steps = {"prefill_step_size": spec.prefill_step} if spec.prefill_step else {}
+    stages = spec.world_size if spec.mode == "pipeline" else 1
+    use_step_args({**spec.kv_quant.generate_kwargs(), **steps}, stages)
 
     command = spec.command
     stats = None  # a one-shot answer's, reported by rank 0 once every rank is done

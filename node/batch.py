@@ -22,8 +22,14 @@ A long prompt does not stop the answers already decoding: mlx-lm's generator pre
 ``prefill_step_size`` tokens of each prompt per step, between two decode steps. While answers
 decode, rank 0 shrinks that step to what the ranks prefill in ``max_stall`` seconds (measured
 over the last steps; ``PrefillPace``) and shares it in its order, so every rank steps alike.
-While a prompt is being prefilled a round is one step, so a new order (a cancel, a new request)
-is taken between any two chunks.
+While a prompt is being prefilled beside decoding answers a round is one step, so a new order
+(a cancel, a new request) is taken between any two chunks.
+
+In pipeline mode with nothing decoding, the prompt goes in smaller steps (node.generate's
+``prefill_step``: the stages work on different steps at once) and a round takes as many as make
+2048 (or --prefill-step, if more) x stages tokens: about the time one rank takes for one full
+step, after which the next order is taken. (Each round ends in a collective, which drains the
+pipeline.)
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from .generate import STOP_CHECK_EVERY, Ticking
+from .generate import PREFILL_STEP, STOP_CHECK_EVERY, Ticking, prefill_step
 from .memory import reapply_wired_limit
 from .sampling import RequestFailed, tried
 
@@ -91,6 +97,7 @@ class Lockstep:
         vocab: int | None = None,
         prefill_step: int = 2048,
         max_stall: float = 0.0,
+        stages: int = 1,
     ):
         self.prompt_cache = (
             LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
@@ -110,14 +117,31 @@ class Lockstep:
         self.live: set[int] = set()  # inserted and not yet finished or removed
         self.prefilling: dict[int, tuple[int, int]] = {}  # uid -> (prompt tokens done, of)
         self.pace = PrefillPace(prefill_step, max_stall)  # rank 0's
+        self.stages = stages  # pipeline stages (1 in tensor mode)
         self.kept = 0  # answers' caches kept since the bytes were last checked
 
-    def next_prefill_step(self, joining: bool = False) -> int | None:
-        """Rank 0: the prefill step the next round should take (``joining``: its order inserts
-        requests), when it is not the current one (None)."""
-        decoding = len(self.live) > len(self.prefilling)
-        step = self.pace.step(decoding) if self.prefilling or joining else self.pace.most
+    def decoding(self) -> bool:
+        return len(self.live) > len(self.prefilling)
+
+    def next_prefill_step(self, joining: list[int] = ()) -> int | None:
+        """Rank 0: the prefill step the next round should take (``joining``: the prompt
+        lengths its order inserts), when it is not the current one (None)."""
+        step = self.pace.most
+        if self.prefilling or joining:
+            step = self.pace.step(self.decoding())
+            if step == self.pace.most and self.stages > 1:  # nothing decodes: overlap stages
+                longest = max([*joining, *(total for _, total in self.prefilling.values())])
+                step = min(step, prefill_step(longest, self.stages))
         return None if step == self.generator.prefill_step_size else step
+
+    def steps_this_round(self) -> int:
+        """Generator steps in this round (the same on every rank: they hold the same state)."""
+        if not self.prefilling:
+            return ROUND_STEPS
+        if self.decoding() or self.stages == 1:
+            return 1
+        budget = max(self.pace.most, PREFILL_STEP) * self.stages  # about one full step's time
+        return max(1, budget // self.generator.prefill_step_size)
 
     def apply(self, order: dict) -> list[tuple[int | None, int, str | None]]:
         """Insert ``order['insert']`` (requests as node.sampling.settings makes them, with
@@ -190,11 +214,11 @@ class Lockstep:
         self.kept = 0
 
     def round(self, on_token: Callable | None) -> None:
-        """Step the generator ROUND_STEPS times (once while a prompt is being prefilled, fewer
-        once nothing is left); ``on_token`` (rank 0) gets every generated token's response.
-        Ends with no step in flight, so the next collective on another stream cannot
-        interleave with the generator's."""
-        for _ in range(1 if self.prefilling else ROUND_STEPS):
+        """Step the generator ``steps_this_round`` times (fewer once nothing is left);
+        ``on_token`` (rank 0) gets every generated token's response. Ends with no step in
+        flight, so the next collective on another stream cannot interleave with the
+        generator's."""
+        for _ in range(self.steps_this_round()):
             if not self.live:
                 break
             with self.generator.stats() as work:

@@ -129,13 +129,35 @@ def draft_counts(responses_from_draft: list[bool], k: int, max_tokens: int) -> t
     return drafted, accepted
 
 
-KV_QUANT: dict = {}  # this rank's job's quantized KV cache (generate_step's arguments), if any
+PREFILL_STEP = 2048  # mlx-lm's prefill_step_size: a GPU wants big steps
+PIPELINE_STEP_MIN = 256
+STEPS_PER_STAGE = 8
 
 
-def use_kv_quant(kwargs: dict) -> None:
-    """The job's --kv-bits, for every generation of this rank (set once, before the first)."""
-    KV_QUANT.clear()
-    KV_QUANT.update(kwargs)
+def prefill_step(prompt_tokens: int, stages: int) -> int:
+    """Prompt tokens per prefill step when the job does not say (--prefill-step).
+
+    In pipeline mode a stage starts the next step while the stages after it work on the ones
+    it sent, so k steps over N stages take (k + N - 1) / (k N) of one rank's time: the step
+    halves from 2048 until the prompt makes STEPS_PER_STAGE x N steps, down to 256 tokens
+    (measured with tests/prefill_overlap.py: docs/benchmarks.md)."""
+    step = PREFILL_STEP
+    if stages > 1:
+        while step > PIPELINE_STEP_MIN and prompt_tokens < STEPS_PER_STAGE * stages * step:
+            step //= 2
+    return step
+
+
+STEP_ARGS: dict = {}  # this rank's job's generate_step arguments: --kv-bits, --prefill-step
+STAGES = [1]  # this rank's job's pipeline stages (1 in tensor mode)
+
+
+def use_step_args(kwargs: dict, stages: int = 1) -> None:
+    """The job's --kv-bits and --prefill-step (if given) and its pipeline stages, for every
+    generation of this rank (set once, before the first)."""
+    STEP_ARGS.clear()
+    STEP_ARGS.update(kwargs)
+    STAGES[0] = stages
 
 
 class PrefillCancelled(Exception):
@@ -187,7 +209,8 @@ def token_stream(
     s = sampling_of(request)
     mx.random.seed(s.seed)
     feed = request["tokens"] if feed is None else feed
-    extra = dict(KV_QUANT)
+    extra = dict(STEP_ARGS)
+    extra.setdefault("prefill_step_size", prefill_step(len(feed), STAGES[0]))
     if speculation is not None:  # mlx-lm's speculative step takes --kv-bits too
         extra.update(draft_model=speculation.proposer, num_draft_tokens=speculation.k)
         model = Ticking(model)  # mlx-lm drops the prefill callback when it speculates

@@ -446,7 +446,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
     import mlx.core as mx
 
     from .batch import Lockstep, batchable
-    from .generate import generate
+    from .generate import PREFILL_STEP, generate
     from .share import share_from_rank0, share_object
     from .watchdog import launcher_input
 
@@ -460,7 +460,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
             "seed": secrets.randbits(31),
             "decode_concurrency": options.decode_concurrency,
             "prompt_concurrency": options.prompt_concurrency,
-            "prefill_step": options.prefill_step,
+            "prefill_step": spec.prefill_step or PREFILL_STEP,
             "prompt_cache_size": options.prompt_cache_size,
             "cache_gb": options.serve_cache_gb,
         }
@@ -484,6 +484,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
             vocab,
             agreed["prefill_step"],
             options.max_stall,  # rank 0's pace decides; the others follow its orders
+            spec.world_size if spec.mode == "pipeline" else 1,
         )
         if batched
         else None
@@ -503,7 +504,8 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
             emit(Memory(mx.get_peak_memory() / 1e9))
         order = scheduler.order(live) if rank0 else None
         if rank0 and batch is not None:
-            step = batch.next_prefill_step(bool(order and order.get("insert")))
+            joining = [len(r["tokens"]) for r in (order or {}).get("insert", ())]
+            step = batch.next_prefill_step(joining)
             if step is not None:
                 order = {**(order or {}), "prefill_step": step}
         order = share_object(order, group)

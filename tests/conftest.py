@@ -144,6 +144,14 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def kv_model(tmp_path_factory):
+    """llama with a head dimension of 64, which a KV group of 64 divides."""
+    base = tmp_path_factory.mktemp("kv")
+    return make_model(base / "kv", "llama", seed=1, hidden_size=256, intermediate_size=256,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def tool_model(tmp_path_factory):
     """A tiny model trained to call a weather tool (tests/toolmodel.py), trained in a
     subprocess so that it gets OpenBLAS as ranks do (about 10 s instead of 100)."""

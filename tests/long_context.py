@@ -44,7 +44,7 @@ def shape(family: str, mode: str, ranks: list[int], tokens: int) -> dict:
     extra = {"num_attention_heads": heads, "num_key_value_heads": heads,
              "num_hidden_layers": layers, "max_position_embeddings": context}  # fmt: skip
     if family in ("qwen3", "gemma3_text"):  # families that give head_dim themselves
-        extra.update(head_dim=16, hidden_size=64)
+        extra.update(head_dim=16, hidden_size=96)
     if family == "gemma3_text":  # layers 0, 2: a 512-token window; layer 1: global
         extra.update(sliding_window=512, sliding_window_pattern=2)
     return extra

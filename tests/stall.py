@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from long_context import long_text  # noqa: E402
 from serve_load import BIN, free_port, stop, wait_up  # noqa: E402
 
 STREAM_PROMPT = "Tell me about lists"
@@ -58,16 +59,6 @@ def stream(port: int, model: str, times: list[float], stop_flag: threading.Event
             elif line.strip() and not line.startswith(b":"):
                 print(f"stream: {line!r}", file=sys.stderr)
     print("stream: ended", file=sys.stderr)
-
-
-def long_text(model: str, tokens: int) -> str:
-    """Distinct words that the model's tokenizer makes about ``tokens`` tokens of."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    words = [f"w{i % 997}x{i // 997}" for i in range(tokens)]
-    per_word = len(tokenizer.encode(" ".join(words[:1000]))) / 1000
-    return " ".join(words[: int(tokens / per_word)])
 
 
 def measure(
@@ -100,7 +91,7 @@ def measure(
                 raise RuntimeError("a stream ended before the long prompt was sent")
             time.sleep(0.05)
         sent = time.perf_counter()
-        body = {"model": name, "prompt": long_text(model, prompt_tokens), "max_tokens": 1,
+        body = {"model": name, "prompt": long_text(Path(model), prompt_tokens), "max_tokens": 1,
                 "temperature": 0}  # fmt: skip
         answer = json.loads(post(port, "/v1/completions", body).read())
         done = time.perf_counter()
@@ -134,6 +125,17 @@ def measure(
         stop([proc])
 
 
+def llama_576(base: Path) -> Path:
+    """The llama-shaped model of the long-prompt measurements (hidden 576, 8 layers, 9 heads),
+    its EOS out of reach, with a 64k context."""
+    from tiny import make_model
+
+    return make_model(base / "llama-576", "llama", seed=3, eos_token_id=100_000,
+                      hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=9, num_key_value_heads=3,
+                      max_position_embeddings=65536)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model directory (default: llama-shaped, built here)")
@@ -143,24 +145,7 @@ def main() -> None:
     parser.add_argument("--max-stall", default="0,0.25", help="comma-separated settings")
     parser.add_argument("--log", help="serve's stderr to LOG.<setting>")
     args = parser.parse_args()
-    model = args.model
-    if model is None:
-        from tiny import make_model
-
-        model = str(
-            make_model(
-                Path(tempfile.mkdtemp()) / "llama-576",
-                "llama",
-                seed=3,
-                eos_token_id=100_000,
-                hidden_size=576,
-                intermediate_size=1536,
-                num_hidden_layers=8,
-                num_attention_heads=9,
-                num_key_value_heads=3,
-                max_position_embeddings=65536,
-            )
-        )
+    model = args.model or str(llama_576(Path(tempfile.mkdtemp())))
     print("| mode | ranks | --max-stall | prompt tokens | its answer (s) | streams' worst gap (s) "
           "| median gap (s) | stream tokens meanwhile |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")

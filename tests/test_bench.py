@@ -34,8 +34,9 @@ def baseline_pids() -> list[int]:
     return descendant_ranks(os.getpid(), _children(), _cmdline, "mlx_lm.benchmark")
 
 
-def reference_sha(model_dir, prompt_tokens: int, gen_tokens: int) -> str:
-    """Single-process mlx-lm's greedy tokens for mlx_lm.benchmark's synthetic prompt."""
+def reference_sha(model_dir, prompt_tokens: int, gen_tokens: int, **step_args) -> str:
+    """Single-process mlx-lm's greedy tokens for mlx_lm.benchmark's synthetic prompt
+    (``step_args``: generate_step's, e.g. kv_bits)."""
     import mlx.core as mx
     from mlx_lm import load, stream_generate
 
@@ -44,7 +45,8 @@ def reference_sha(model_dir, prompt_tokens: int, gen_tokens: int) -> str:
     mx.random.seed(0)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = mx.random.randint(0, vocab, (1, prompt_tokens)).tolist()[0]
-    tokens = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=gen_tokens)]
+    stream = stream_generate(model, tokenizer, prompt, max_tokens=gen_tokens, **step_args)
+    tokens = [r.token for r in stream]
     return hashlib.sha256(str(tokens).encode()).hexdigest()[:16]
 
 
@@ -369,3 +371,38 @@ def test_each_prompt_length_gets_the_whole_sweep_and_a_column():
     assert "| ranks | first token s |" in table(rows)  # one length: no column
     rows[1]["prompt_tokens"] = 32
     assert "| ranks | prompt tokens | first token s |" in table(rows)
+
+
+@pytest.mark.e2e
+def test_kv_bits_and_prefill_step_reach_our_ranks_not_mlx_lm(kv_model):
+    """bench --kv-bits: our ranks decode with the quantized cache (single-process mlx-lm's
+    tokens with the same cache), mlx-lm's baseline is skipped with the reason (it has no such
+    flag); --prefill-step goes to both."""
+    flags = ["--prefill-step", "16", "--kv-bits", "4", "--kv-group-size", "64",
+             "--quantized-kv-start", "0"]  # fmt: skip
+    p = run_cli("bench", "--model", kv_model, "--modes", "pipeline", "--ranks", "2",
+                "--prompt-tokens", PROMPT_TOKENS, "--gen-tokens", GEN_TOKENS, "--repeat", 1,
+                "--warmup", 0, "--baselines", "single,mlx-lm", *flags, "--json", "-")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert (report["settings"]["kv_bits"], report["settings"]["prefill_step"]) == (4, 16)
+    rows = {(r["impl"], r["ranks"]): r for r in report["results"]}
+    want = reference_sha(kv_model, PROMPT_TOKENS, GEN_TOKENS, kv_bits=4,
+                         kv_group_size=64, quantized_kv_start=0, prefill_step_size=16)  # fmt: skip
+    plain = reference_sha(kv_model, PROMPT_TOKENS, GEN_TOKENS)
+    assert want != plain  # the quantized cache changes these tokens: the check means something
+    for n in (1, 2):
+        ours = rows[("mlx-cluster", n)]
+        assert ours["status"] == "ok", ours
+        assert ours["tokens_sha"] == want, ours
+        assert " ".join(flags) in ours["command"], ours["command"]
+    baseline = rows[("mlx-lm", 2)]
+    assert baseline["status"] == "skipped" and "--kv-bits" in baseline["reason"], baseline
+
+
+def test_prefill_step_goes_to_mlx_lm_benchmark_too():
+    from cluster.rig.bench import mlx_lm_command
+
+    plan = BenchPlan(model="m", modes=["pipeline"], ranks=[2], prefill_step=512)
+    argv = mlx_lm_command(Config("mlx-lm", "pipeline", 2, False, 1024), plan, "python")
+    assert argv[argv.index("--prefill-step-size") + 1] == "512"

@@ -6,9 +6,11 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 
 import pytest
 from conftest import CLI, ROOT, invoke, rank_pid, rank_pids, reference, run_cli, start_streaming
+from long_context import long_text
 from tiny import make_model
 
 from cluster.core.modelcheck import default_model_path
@@ -256,6 +258,37 @@ def test_ctrl_c_stops_every_rank(models):
 
 
 @pytest.mark.e2e
+def test_ctrl_c_during_a_long_prefill_stops_every_rank_at_once(tmp_path):
+    """A 16k-token prompt (minutes of prefill on this CPU): once the launcher shows the
+    prefill's progress, Ctrl-C ends the job (130) and every rank without waiting for the
+    prefill; the seconds it took are printed (measured: docs/long-context.md)."""
+    model = make_model(tmp_path / "long", "llama", seed=1, max_position_embeddings=65536)
+    prompt = long_text(model, 16384)
+    proc = subprocess.Popen([CLI, "launch", "--model", str(model), "--max-tokens", "4", "-"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    proc.stdin.write(prompt.encode())
+    proc.stdin.close()
+    proc.stdin = None  # communicate() must not flush it
+    seen = []
+    for line in proc.stderr:  # the launcher's progress line, once the prefill is under way
+        seen.append(line.decode())
+        if line.startswith(b"mlx-cluster: prefill ") or b"] prefill " in line:
+            break
+    assert proc.poll() is None, "".join(seen)
+    assert len(rank_pids()) == 2
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    code, err = finish(proc)
+    took = time.monotonic() - start
+    print(f"Ctrl-C during a 16k-token prefill: exit {code} after {took:.2f} s")
+    assert code == 130, "".join(seen) + err
+    assert "stopped by SIGINT; all ranks stopped" in err
+    assert rank_pids() == []
+    assert took < 5, took  # the prefill had minutes to go: it was not waited for
+
+
+@pytest.mark.e2e
 def test_sigterm_stops_every_rank(models):
     proc = start_long_job(models["endless"])
     proc.send_signal(signal.SIGTERM)
@@ -412,14 +445,6 @@ def test_bad_split(models, split, message):
     p = invoke("launch", "--split", split, "--model", models["llama"], PROMPT)
     assert p.returncode == 2
     assert message in p.stderr
-
-
-@pytest.fixture(scope="module")
-def kv_model(tmp_path_factory):
-    """llama with a head dimension of 64, which a KV group of 64 divides."""
-    base = tmp_path_factory.mktemp("kv")
-    return make_model(base / "kv", "llama", seed=1, hidden_size=256, intermediate_size=256,
-                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
 
 
 @pytest.mark.e2e

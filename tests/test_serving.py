@@ -295,7 +295,7 @@ def test_a_long_prompt_is_prefilled_in_steps_between_the_running_answers_tokens(
     batch.apply({"insert": [{"tokens": [5, 6, 7], **settings(Sampling(max_tokens=400))}]})
     while len(got) < 2:
         batch.round(got.append)
-    step = batch.next_prefill_step(joining=True)  # streams decode: the pace's step
+    step = batch.next_prefill_step(joining=[1000])  # streams decode: the pace's step
     assert step == batch.pace.step(decoding=True) and PREFILL_MIN <= step <= 2048
     long = {"tokens": [5 + i % 200 for i in range(1000)], **settings(Sampling(max_tokens=2))}
     ((uid, _, _),) = batch.apply({"insert": [long], "prefill_step": PREFILL_MIN})
@@ -366,13 +366,62 @@ def test_kv_bits_reach_mlx_lm_with_and_without_a_draft(monkeypatch):
 
     seen: list[dict] = []
     monkeypatch.setattr(g, "stream_generate", lambda *a, **kw: seen.append(kw) or iter(()))
-    g.use_kv_quant({"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 0})
+    g.use_step_args({"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 0})
     try:
         request = {"tokens": [1, 2], **settings(Sampling(max_tokens=2))}
         g.token_stream(None, None, request)
         draft = type("Speculation", (), {"proposer": "p", "k": 3})()
         g.token_stream(None, None, request, speculation=draft)
     finally:
-        g.use_kv_quant({})
+        g.use_step_args({})
     assert all(kw["kv_bits"] == 4 and kw["quantized_kv_start"] == 0 for kw in seen), seen
     assert seen[1]["draft_model"] == "p" and seen[1]["num_draft_tokens"] == 3
+
+
+def test_pipeline_prefill_steps_make_enough_for_every_stage():
+    """node.generate.prefill_step: in pipeline mode the step halves from 2048 until the prompt
+    makes 8 steps per stage (down to 256): the stages then overlap (tests/prefill_overlap.py)."""
+    from node.generate import prefill_step
+
+    assert prefill_step(9123, 1) == 2048  # one rank or tensor mode: mlx-lm's step
+    assert prefill_step(9123, 2) == 512  # 18 steps: 0.53 of one rank's time, ideally
+    assert prefill_step(9123, 3) == 256
+    assert prefill_step(32768, 2) == 2048  # already 16 steps
+    assert prefill_step(40, 4) == 256  # a short prompt: one step anyway
+
+
+def test_serve_overlaps_pipeline_stages_only_while_nothing_decodes(tmp_path):
+    """node.batch.Lockstep with 2 stages: a long prompt alone goes in the pipeline's step,
+    several per round (a round makes about 2048 x stages tokens); beside a running answer,
+    one paced step per round."""
+    from mlx_lm import load
+    from tiny import make_model
+
+    from node.batch import ROUND_STEPS, Lockstep
+    from node.sampling import settings
+
+    small = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+    }  # a 9000-token prompt, fast
+    built = make_model(tmp_path / "m", "llama", seed=1, eos_token_id=9999, **small)
+    model, tokenizer = load(str(built))
+    batch = Lockstep(model, tokenizer, 4, 4, 0, prefill_step=2048, max_stall=0.5, stages=2)
+    assert batch.steps_this_round() == ROUND_STEPS
+    step = batch.next_prefill_step(joining=[9000])
+    assert step == 512
+    long = {"tokens": [5 + i % 200 for i in range(9000)], **settings(Sampling(max_tokens=2))}
+    ((uid, _, _),) = batch.apply({"insert": [long], "prefill_step": step})
+    assert batch.steps_this_round() == 2048 * 2 // 512
+    batch.round(None)
+    assert batch.prefilling[uid][0] == 8 * 512  # 8 steps in one round
+    short = {"tokens": [5, 6, 7], **settings(Sampling(max_tokens=400))}
+    batch.apply({"insert": [short]})
+    while len(batch.live) == len(batch.prefilling):  # until the short one decodes
+        batch.round(None)
+    assert batch.decoding() and batch.steps_this_round() == 1
+    assert batch.next_prefill_step() == batch.pace.step(decoding=True)
+    batch.close()

@@ -12,6 +12,7 @@ import click
 from cluster import __version__
 from cluster.commands.options import (
     DRAFT,
+    KV,
     LAUNCH,
     draft_of,
     model_or_default,
@@ -20,7 +21,7 @@ from cluster.commands.options import (
 )
 from cluster.core.hostfile import HostfileError
 from cluster.core.modelcheck import MODES, ModelError
-from cluster.core.spec import BenchSettings, JobSpec, LaunchSettings, default, pick
+from cluster.core.spec import BenchSettings, JobSpec, KVQuant, LaunchSettings, default, pick
 from cluster.job.launcher import preflight
 from cluster.rig.bench import (
     BASELINES,
@@ -73,7 +74,17 @@ def parse_ranks(ctx, param, value: str) -> list[int]:
 
 
 @click.command()
-@with_options("hostfile", "backend", "accept_new_host_keys", "model", "blas", *LAUNCH, *DRAFT)
+@with_options(
+    "hostfile",
+    "backend",
+    "accept_new_host_keys",
+    "model",
+    "blas",
+    "prefill_step",
+    *LAUNCH,
+    *DRAFT,
+    *KV,
+)
 @click.option(
     "--modes",
     default="pipeline,tensor",
@@ -179,7 +190,9 @@ def bench(hostfile, backend, json_file, csv_file, plot_file, **values):
     """
     values["model"] = model_or_default(values["model"])
     draft = draft_of(values)
+    kv_quant = pick(KVQuant, values)
     plan = pick(BenchPlan, values)
+    plan.kv_quant = kv_quant
     plan.prompt_tokens = plan.prompt_lengths[0]
     plan.draft = draft
     launch = pick(LaunchSettings, values)
@@ -225,7 +238,7 @@ def check_bench_model(plan, hostfile) -> None:
     when it is here, against the mode and rank count), before any rank starts."""
     for mode in plan.modes:
         for n in plan.ranks:
-            spec = JobSpec(model=plan.model, mode=mode, command="bench")
+            spec = JobSpec(model=plan.model, mode=mode, command="bench", kv_quant=plan.kv_quant)
             try:
                 preflight(first_ranks(hostfile, n), spec)
             except ModelError as e:
@@ -244,6 +257,8 @@ def bench_settings(plan, hostfile) -> dict:
         "repeat": plan.repeat,
         "warmup": plan.warmup,
         "baselines": list(plan.baselines),
+        "prefill_step": plan.prefill_step,
+        "kv_bits": plan.kv_quant.kv_bits,
         "backend": hostfile.backend,
         "hosts": [h.target for h in hostfile.hosts],
         "launcher": {"platform": platform.platform(), "python": platform.python_version()},

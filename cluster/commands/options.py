@@ -171,6 +171,16 @@ MODEL = {
         "rank 0 three quarters). Default: in proportion to the hosts' memory_gb when every "
         "host gives it, else even.",
     ),
+    "prefill_step": click.option(
+        "--prefill-step",
+        type=click.IntRange(min=16),
+        default=None,
+        metavar="TOKENS",
+        help="Most prompt tokens prefilled in one step (mlx-lm's prefill_step_size). Default: "
+        "2048, and in pipeline mode smaller for long prompts, so that the stages work on "
+        "different steps at once (docs/benchmarks.md). serve: between two steps the running "
+        "answers decode a token.",
+    ),
     "blas": click.option(
         "--blas",
         type=click.Choice(["auto", "reference"]),
@@ -362,14 +372,6 @@ SERVE = {  # ServeSettings
         default=default(ServeSettings, "prompt_concurrency"),
         show_default=True,
         help="Most prompts prefilled together.",
-    ),
-    "prefill_step": click.option(
-        "--prefill-step",
-        type=click.IntRange(min=16),
-        default=default(ServeSettings, "prefill_step"),
-        show_default=True,
-        help="Most prompt tokens of a request prefilled in one step. Between steps the "
-        "running answers decode a token, so a long prompt does not stop them.",
     ),
     "max_stall": click.option(
         "--max-stall",

@@ -51,6 +51,7 @@ def job_spec(command: str, values: dict, **fields) -> JobSpec:
         kv_quant=pick(KVQuant, values),
         mode=values.pop("mode"),
         split=values.pop("split"),
+        prefill_step=values.pop("prefill_step"),
         blas=values.pop("blas"),
         **fields,
     )
@@ -172,7 +173,6 @@ def chat(prompt_cache_gb, **values):
     "api_key",
     "decode_concurrency",
     "prompt_concurrency",
-    "prefill_step",
     "max_stall",
     "prompt_cache_size",
     "serve_cache_gb",

@@ -72,7 +72,6 @@ class ServeSettings:
     restart_wait: float = 120.0  # longest a request waits for ranks that (re)start: then 503
     decode_concurrency: int = 32  # most requests decoded together
     prompt_concurrency: int = 8  # most prompts prefilled together
-    prefill_step: int = 2048  # most prompt tokens of a request per prefill step (mlx-lm's)
     max_stall: float = 0.25  # longest a prefill step may pause running streams (0: off)
     prompt_cache_size: int = 10  # finished answers whose caches every rank keeps (0: none)
     serve_cache_gb: float | None = None  # their most KV per rank (None: from memory left)
@@ -152,6 +151,7 @@ class JobSpec:
     world_size: int = 1
     split: list[int] | None = None  # pipeline layers per rank (rank 0 holds the last layers)
     split_weights: list[float] | None = None  # per-rank memory, for a weighted split
+    prefill_step: int | None = None  # prompt tokens per prefill step (None: for mode and N)
     prompt_cache_gb: float = 4.0  # chat: the most KV cache each rank keeps between turns
     request: Request = field(default_factory=Request)
     serve: ServeSettings = field(default_factory=ServeSettings)

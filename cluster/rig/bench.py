@@ -29,7 +29,7 @@ from typing import IO
 from cluster.core.blas import blas_env
 from cluster.core.hostfile import Hostfile, HostfileError
 from cluster.core.protocol import BenchRun
-from cluster.core.spec import BenchSettings, Draft, JobSpec, LaunchSettings
+from cluster.core.spec import BenchSettings, Draft, JobSpec, KVQuant, LaunchSettings
 from cluster.job.backends import free_port_run, rank_envs
 from cluster.job.launcher import (
     Interrupted,
@@ -62,6 +62,8 @@ class BenchPlan(BenchSettings):
     baselines: tuple[str, ...] = DEFAULT_BASELINES
     baseline_timeout: float = 1800.0
     draft: Draft = field(default_factory=Draft)  # when on: each of ours also with it
+    kv_quant: KVQuant = field(default_factory=KVQuant)  # ours only: mlx_lm.benchmark has none
+    prefill_step: int | None = None  # None: each side's default
     prompt_lengths: list[int] = field(default_factory=list)  # each sweep's; [] -> prompt_tokens
 
     @property
@@ -199,6 +201,8 @@ def run_ours(
             prompt_tokens=config.prompt_tokens,
         ),
         draft=plan.draft if config.draft else Draft(),
+        kv_quant=plan.kv_quant,
+        prefill_step=plan.prefill_step,
     )
     try:
         result = run_job(hf, spec, launch, stdout=io.BytesIO(), stderr=stderr)
@@ -251,11 +255,22 @@ def our_command(config: Config, plan: BenchPlan, hostfile: Hostfile) -> str:
         mode += f" {proposer} --num-draft-tokens {d.num_draft_tokens}"
         if d.draft_model and d.draft_on != "every":
             mode += f" --draft-on {d.draft_on}"
+    mode += step_flags(plan)
     return (
         f"mlx-cluster bench {where} --model {plan.model}{mode} --ranks {config.ranks} "
         f"--prompt-tokens {config.prompt_tokens} --gen-tokens {plan.gen_tokens} "
         f"--repeat {plan.repeat} --warmup {plan.warmup} --baselines none"
     ).replace("  ", " ")
+
+
+def step_flags(plan: BenchPlan) -> str:
+    """--prefill-step and --kv-bits as the plan has them."""
+    flags = f" --prefill-step {plan.prefill_step}" if plan.prefill_step else ""
+    q = plan.kv_quant
+    if q.kv_bits is not None:
+        flags += f" --kv-bits {q.kv_bits} --kv-group-size {q.kv_group_size}"
+        flags += f" --quantized-kv-start {q.quantized_kv_start}"
+    return flags
 
 
 def mlx_lm_command(config: Config, plan: BenchPlan, python: str) -> list[str]:
@@ -274,6 +289,8 @@ def mlx_lm_command(config: Config, plan: BenchPlan, python: str) -> list[str]:
         "--num-trials",
         str(plan.repeat),
     ]
+    if plan.prefill_step:
+        bench += ["--prefill-step-size", str(plan.prefill_step)]
     return bench + (["--pipeline"] if config.mode == "pipeline" else [])
 
 
@@ -291,6 +308,10 @@ def run_mlx_lm(config: Config, plan: BenchPlan, hostfile: Hostfile, stderr) -> d
     itself, whose output relay loop busy-waits on a core while the ranks run."""
     row = blank(config, plan)
     hf = first_ranks(hostfile, config.ranks)
+    if plan.kv_quant.kv_bits is not None:
+        row["status"] = "skipped"
+        row["reason"] = "mlx_lm.benchmark has no --kv-bits: its cache would not be the same"
+        return row
     if not all(h.is_local for h in hf.hosts):
         row["status"] = "skipped"
         row["reason"] = (
