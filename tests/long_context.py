@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from matrix import CLI, LOGIT_TOLERANCE, ONE_THREAD, REFERENCE_ENV, _generated  # noqa: E402
 from tiny import make_model  # noqa: E402
 
+from node.generate import PREFILL_STEP  # noqa: E402
+
 PEAKS = re.compile(r"rank (\d+) ([\d.]+) GB")
 FAMILIES = ("llama", "qwen3", "gemma3_text")
 MODES = {"p": "pipeline", "t": "tensor"}
@@ -68,8 +70,10 @@ def start_reference(model: Path, prompt_file: Path, max_tokens: int) -> subproce
 
 
 def start_cell(model: Path, prompt: str, mode: str, ranks: int, max_tokens: int):
+    # mlx-lm's prefill step on both sides: the same chunks, so the same rounding (pipeline
+    # mode's default step is smaller for some lengths: node.generate.prefill_step)
     argv = [CLI, "launch", "-n", str(ranks), "--mode", mode, "--model", str(model), "--logits",
-            "--max-tokens", str(max_tokens)]  # fmt: skip
+            "--max-tokens", str(max_tokens), "--prefill-step", str(PREFILL_STEP)]  # fmt: skip
     # the prompt on stdin: a 32k-token prompt is longer than one argument may be (128 KiB)
     p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=ONE_THREAD)  # fmt: skip

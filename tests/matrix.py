@@ -389,8 +389,7 @@ def render(results: dict[str, dict[str, Cell]]) -> str:
         "- **differs**: the text diverges and a logit is further off (a bug).",
         "- **unsupported**: the tool refuses before or while loading, with the reason below.",
         "- **failed**: the run broke (a bug).",
-        "- Long prompts (32k tokens) are measured by `tests/long_context.py`:",
-        "  [long-context.md](long-context.md).",
+        "- Long prompts (32k to 128k tokens): [below](#long-context).",
         "",
         f"Measured with mlx {version('mlx')}, mlx-lm {version('mlx-lm')}, mlx-vlm "
         f"{version('mlx-vlm')} on {platform.system()} {platform.machine()}.",
@@ -414,6 +413,7 @@ def render(results: dict[str, dict[str, Cell]]) -> str:
     if notes:
         lines += ["", "Reasons:", ""]
         lines += [f"{i}. {note}" for i, note in enumerate(notes, start=1)]
+    lines += ["", "## Long context", "", *long_context_section()]
     lines += [
         "",
         "## Tensor mode in mlx-lm's other families",
@@ -430,9 +430,32 @@ def render(results: dict[str, dict[str, Cell]]) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+LONG_CONTEXT = Path(__file__).parent.parent / "docs" / "long-context.md"
+
+
+def long_context_section() -> list[str]:
+    """docs/long-context.md's table (measured by hand with tests/long_context.py: minutes per
+    cell on this CPU), between its ``<!-- table -->`` marks."""
+    text = LONG_CONTEXT.read_text()
+    table = text.split("<!-- table -->")[1].split("<!-- /table -->")[0].strip("\n")
+    return [
+        "A long prompt through `launch --logits`, sharded, against single-process mlx-lm: the",
+        "greedy continuation and the next-token logits (`tests/long_context.py`; CI runs llama's",
+        "32k cells at 2 ranks). Models, method and costs: [long-context.md](long-context.md).",
+        "",
+        *table.splitlines(),
+    ]
+
+
 def parse(markdown: str) -> dict[str, dict[str, str]]:
     """The statuses recorded in docs/models.md: family -> column -> status."""
-    rows = [line for line in markdown.splitlines() if line.startswith("| ")]
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| family "))
+    rows = []
+    for line in lines[start:]:  # the first table only (docs/models.md has others below it)
+        if not line.startswith("|"):
+            break
+        rows += [line] if line.startswith("| ") else []
     header = [c.strip() for c in rows[0].strip("|").split("|")]
     columns = [c.removesuffix(" ranks") for c in header[1:]]
     table = {}

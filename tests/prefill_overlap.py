@@ -14,6 +14,13 @@ client: serve's batched prefill is another code path. Every rank gets one BLAS t
 (OPENBLAS_NUM_THREADS=1), as a host of its own would have its own cores; the baseline, one
 rank on one thread, runs in the same run. This machine has 2 cores: at 3 ranks two stages
 share a core, so 3-rank cells are bounded by 0.5, not 1/3.
+
+With ``--hostfile`` (e.g. tests/netrig.py's rig: hosts of their own with a shaped link), the
+sharded cells run on its first N hosts, in each of ``--modes``; in tensor mode each prefill
+step's all_sums move step x hidden values per layer, so the step trades messages for size.
+
+    python tests/netrig.py up 2 --rtt 300us --rate 10gbit > /tmp/rig.yaml
+    python tests/prefill_overlap.py --hostfile /tmp/rig.yaml --ranks 2 --modes pipeline,tensor
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from long_context import long_text  # noqa: E402
@@ -34,9 +43,11 @@ from serve_load import free_port, stop, wait_up  # noqa: E402
 from stall import llama_576, post  # noqa: E402
 
 
-def launched(model: Path, prompt: str, ranks: int, step: int | None, max_tokens: int = 4) -> dict:
+def launched(model: Path, prompt: str, ranks: int, step: int | None, mode: str = "pipeline",
+             hostfile: Path | None = None, max_tokens: int = 4) -> dict:  # fmt: skip
     """One launch: rank 0's prompt time (s) and the text."""
-    argv = [CLI, "launch", "-n", str(ranks), "--mode", "pipeline", "--model", str(model),
+    where = ["-n", str(ranks)] if hostfile is None or ranks == 1 else ["--hostfile", str(hostfile)]
+    argv = [CLI, "launch", *where, "--mode", mode, "--model", str(model),
             "--max-tokens", str(max_tokens), "--json"]  # fmt: skip
     if step is not None:
         argv += ["--prefill-step", str(step)]
@@ -48,10 +59,11 @@ def launched(model: Path, prompt: str, ranks: int, step: int | None, max_tokens:
     return {"seconds": t["prompt_ms"] / 1000, "tokens": t["prompt_n"], "text": answer["text"]}
 
 
-def served(model: Path, prompt: str, ranks: int, step: int | None, max_tokens: int = 4) -> dict:
+def served(model: Path, prompt: str, ranks: int, step: int | None, mode: str = "pipeline",
+           hostfile: Path | None = None, max_tokens: int = 4) -> dict:  # fmt: skip
     """One fresh serve: the seconds to answer ``prompt`` alone, and the text."""
     port = free_port()
-    argv = [CLI, "serve", "-n", str(ranks), "--mode", "pipeline", "--model", str(model),
+    argv = [CLI, "serve", "-n", str(ranks), "--mode", mode, "--model", str(model),
             "--port", str(port)]  # fmt: skip
     if step is not None:
         argv += ["--prefill-step", str(step)]
@@ -84,6 +96,8 @@ def main() -> None:
     parser.add_argument("--steps", default="256,512,1024,2048")
     parser.add_argument("--default", action="store_true", help="also the default step")
     parser.add_argument("--serve", action="store_true", help="through serve, not launch")
+    parser.add_argument("--modes", default="pipeline")
+    parser.add_argument("--hostfile", type=Path, help="sharded cells on these hosts (launch)")
     args = parser.parse_args()
     model = Path(args.model) if args.model else llama_576(Path(tempfile.mkdtemp()))
     prompt = long_text(model, args.prompt_tokens)
@@ -91,16 +105,26 @@ def main() -> None:
     base = prefill(model, prompt, 1, None)
     print(f"one rank, one thread, default step: {base['seconds']:.1f} s for "
           f"{base['tokens']} tokens", flush=True)  # fmt: skip
-    print("| ranks | prefill step | prompt s | x one rank | ideal | same text |")
-    print("|---|---|---|---|---|---|")
-    steps: list[int | None] = [int(s) for s in args.steps.split(",")]
-    for n in (int(r) for r in args.ranks.split(",")):
-        for step in [*steps, *([None] if args.default else [])]:
-            r = prefill(model, prompt, n, step)
-            shown = "default" if step is None else str(step)
-            best = "-" if step is None else f"{ideal(r['tokens'], step, n):.2f}"
-            print(f"| {n} | {shown} | {r['seconds']:.1f} | {r['seconds'] / base['seconds']:.2f} "
-                  f"| {best} | {r['text'] == base['text']} |", flush=True)  # fmt: skip
+    print("| mode | ranks | prefill step | prompt s | x one rank | ideal | same text |")
+    print("|---|---|---|---|---|---|---|")
+    steps: list[int | None] = [int(s) for s in args.steps.split(",") if s]
+    for mode in args.modes.split(","):
+        for n in (int(r) for r in args.ranks.split(",")):
+            for step in [*steps, *([None] if args.default else [])]:
+                if args.hostfile:
+                    hosts = yaml.safe_load(args.hostfile.read_text())
+                    hosts["hosts"] = hosts["hosts"][:n]
+                    held = Path(tempfile.mkdtemp()) / "hosts.yaml"
+                    held.write_text(yaml.safe_dump(hosts))
+                    r = prefill(model, prompt, n, step, mode, held)
+                else:
+                    r = prefill(model, prompt, n, step, mode)
+                shown = "default" if step is None else str(step)
+                overlap = step is not None and mode == "pipeline"
+                best = f"{ideal(r['tokens'], step, n):.2f}" if overlap else "-"
+                ratio = r["seconds"] / base["seconds"]
+                print(f"| {mode} | {n} | {shown} | {r['seconds']:.1f} | {ratio:.2f} | {best} | "
+                      f"{r['text'] == base['text']} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
