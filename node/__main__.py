@@ -100,6 +100,11 @@ def run(spec: JobSpec) -> None:
     steps = {"prefill_step_size": spec.prefill_step} if spec.prefill_step else {}
     stages = spec.world_size if spec.mode == "pipeline" else 1
     use_step_args({**spec.kv_quant.generate_kwargs(), **steps}, stages)
+    disk = None
+    if spec.command in ("chat", "serve", "generate"):
+        from .diskcache import open_disk_cache
+
+        disk = open_disk_cache(loaded, spec, group, log)
 
     command = spec.command
     stats = None  # a one-shot answer's, reported by rank 0 once every rank is done
@@ -108,7 +113,7 @@ def run(spec: JobSpec) -> None:
     if command == "serve":
         from .serve import run_serve
 
-        run_serve(loaded, group, spec, emit, log)
+        run_serve(loaded, group, spec, emit, log, disk)
         return
     if command == "bench":
         from .bench import run_bench
@@ -117,7 +122,7 @@ def run(spec: JobSpec) -> None:
     elif command == "chat":
         from .chat import run_chat
 
-        run_chat(loaded, group, spec, emit, write_text if rank == 0 else None)
+        run_chat(loaded, group, spec, emit, write_text if rank == 0 else None, disk)
     else:
         make = (lambda: make_job_request(loaded, spec.request, command)) if rank == 0 else None
         request = share_from_rank0(make, group, "prepare the request")
@@ -139,19 +144,34 @@ def run(spec: JobSpec) -> None:
             stats = generate_vlm(loaded.model, loaded.processor, request, write, group)
         else:
             emit(Phase("generating", prompt_tokens=len(request["tokens"])))
-            stats = generate(
+            cache, from_disk = (None, 0) if disk is None else disk.lookup(loaded.model, request)
+            answer = generate(
                 loaded.model,
                 loaded.tokenizer,
                 request,
                 write,
                 group,
+                prompt_cache=cache,
+                feed=request["tokens"][from_disk:] if cache is not None else None,
                 speculation=loaded.speculation,
                 on_prefill=report_prefill if rank == 0 else None,
-            ).stats
+            )
+            stats = answer.stats
+            if disk is not None:
+                disk.save(request["tokens"] + answer.tokens, cache)
+                disk.flush()  # the job ends: its blocks are on disk before it does
+                with_disk_hit(stats, from_disk)
     emit_memory()
     barrier(group)
     if stats is not None and rank == 0:
         emit(Stats(**stats))
+
+
+def with_disk_hit(stats: dict, tokens: int) -> None:
+    """An answer's stats, ``tokens`` of its prompt read from the disk tier."""
+    stats["timings"]["cache_n"] = tokens
+    stats["timings"]["cache_disk_n"] = tokens
+    stats["usage"]["prompt_tokens_details"]["cached_tokens"] = tokens
 
 
 def report_prefill(done: int, total: int) -> None:

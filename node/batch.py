@@ -45,6 +45,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from .diskcache import BLOCK_TOKENS, worth_reading
 from .generate import PREFILL_STEP, STOP_CHECK_EVERY, Ticking, prefill_step
 from .memory import reapply_wired_limit
 from .sampling import RequestFailed, tried
@@ -98,6 +99,7 @@ class Lockstep:
         prefill_step: int = 2048,
         max_stall: float = 0.0,
         stages: int = 1,
+        disk=None,
     ):
         self.prompt_cache = (
             LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
@@ -118,6 +120,9 @@ class Lockstep:
         self.prefilling: dict[int, tuple[int, int]] = {}  # uid -> (prompt tokens done, of)
         self.pace = PrefillPace(prefill_step, max_stall)  # rank 0's
         self.stages = stages  # pipeline stages (1 in tensor mode)
+        self.model = model
+        self.disk = disk  # node.diskcache.DiskCache: the tier under the prompt cache
+        self.from_disk: dict[int, int] = {}  # uid -> prompt tokens read from disk (rank 0 pops)
         self.kept = 0  # answers' caches kept since the bytes were last checked
 
     def decoding(self) -> bool:
@@ -157,7 +162,7 @@ class Lockstep:
             except RequestFailed as e:
                 joined.append((None, 0, str(e)))
                 continue
-            cache, rest = self.nearest(r["tokens"])
+            cache, rest, from_disk = self.nearest(r["tokens"])
             (uid,) = self.generator.insert(
                 [rest],
                 max_tokens=[r["max_tokens"]],
@@ -167,6 +172,8 @@ class Lockstep:
                 logits_processors=[chain],
             )
             joined.append((uid, len(r["tokens"]) - len(rest), None))
+            if from_disk:
+                self.from_disk[uid] = from_disk
             self.prefilling[uid] = (0, len(rest))
         self.live.update(uid for uid, _, _ in joined if uid is not None)
         gone = [u for u in order.get("remove", ()) if u in self.live]
@@ -177,9 +184,20 @@ class Lockstep:
                 self.prefilling.pop(uid, None)
         return joined
 
-    def nearest(self, tokens: list[int]) -> tuple[list | None, list[int]]:
-        """The cache of the longest cached prefix of ``tokens`` and the tokens after it; at
-        least the last token is left to run, as the generator needs one."""
+    def nearest(self, tokens: list[int]) -> tuple[list | None, list[int], int]:
+        """The cache of the longest cached prefix of ``tokens`` (in memory, else on disk),
+        the tokens after it and how many of those before it were read from disk; at least the
+        last token is left to run, as the generator needs one. Every rank alike: the memory
+        caches are the same everywhere, and the disk's answer is agreed."""
+        cache, rest = self.in_memory(tokens)
+        if self.disk is not None and len(rest) - 1 >= BLOCK_TOKENS:
+            worth = worth_reading(self.disk.stats, self.pace.rate)
+            from_disk, n = self.disk.restore(self.model, tokens, None, worth)
+            if n > len(tokens) - len(rest):
+                return from_disk, tokens[n:], n
+        return cache, rest, 0
+
+    def in_memory(self, tokens: list[int]) -> tuple[list | None, list[int]]:
         if self.prompt_cache is None:
             return None, tokens
         cache, rest = self.prompt_cache.fetch_nearest_cache(MODEL_KEY, tokens)
@@ -191,7 +209,10 @@ class Lockstep:
         return cache, rest
 
     def keep(self, response) -> None:
-        """A finished answer's cache, under the tokens it holds (every rank alike)."""
+        """A finished answer's cache, under the tokens it holds (every rank alike), and its
+        blocks to the disk tier (written by its thread)."""
+        if self.disk is not None and response.prompt_cache is not None:
+            self.disk.save(list(response.all_tokens), response.prompt_cache)
         if self.prompt_cache is not None and response.prompt_cache is not None:
             self.prompt_cache.insert_cache(
                 MODEL_KEY, list(response.all_tokens), response.prompt_cache

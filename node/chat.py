@@ -29,6 +29,7 @@ from cluster.core.protocol import (
 )
 from cluster.core.spec import JobSpec, Template
 
+from .diskcache import BLOCK_TOKENS
 from .stage import SkippedCache
 
 COMMANDS_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) ends the session"
@@ -105,12 +106,14 @@ class TurnCache:
     proposer, the list holds the model's layers, then the proposer's (as mlx-lm's speculative
     step takes them), and both are trimmed alike."""
 
-    def __init__(self, model, budget_bytes: float, proposer=None):
+    def __init__(self, model, budget_bytes: float, proposer=None, disk=None):
         self.model = model
         self.proposer = proposer
         self.budget = budget_bytes
+        self.disk = disk  # node.diskcache.DiskCache: the tier under this one (no proposer)
         self.cache: list | None = None
         self.tokens: list[int] = []  # what the cache holds, in order
+        self.from_disk = 0  # of the last prepared turn's tokens
 
     def make(self) -> list:
         cache = make_prompt_cache(self.model)
@@ -133,7 +136,17 @@ class TurnCache:
             self.cache, reused = self.make(), 0
         elif surplus:
             trim_prompt_cache(self.cache, surplus)
+        self.from_disk = 0
+        if self.disk is not None and len(tokens) - 1 - reused >= BLOCK_TOKENS:
+            cache, n = self.disk.restore(self.model, tokens)  # every rank: the same state
+            if n > reused:
+                self.cache, self.tokens, reused, self.from_disk = cache, tokens[:n], n, n
         return self.cache, tokens[reused:], reused
+
+    def save(self, tokens: list[int], generated: list[int]) -> None:
+        """After a turn, before ``done``: its blocks to the disk tier."""
+        if self.disk is not None and self.cache is not None:
+            self.disk.save(tokens + generated, self.cache)
 
     def done(self, tokens: list[int], generated: list[int]) -> None:
         """After a turn: note what the cache now holds, or drop it when over budget."""
@@ -187,7 +200,8 @@ def next_turn(inp: Input, conversation: Conversation, log: Callable[[str], None]
         return line
 
 
-def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str], None] | None):
+def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str], None] | None,
+             disk=None):  # fmt: skip
     """The session loop of every rank; rank 0 (``write`` given) reads, the others follow."""
     from .generate import generate
     from .sampling import settings
@@ -197,7 +211,7 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
     rank0 = group.rank() == 0
     speculation = loaded.speculation
     cache = TurnCache(
-        loaded.model, spec.prompt_cache_gb * 1e9, speculation and speculation.proposer
+        loaded.model, spec.prompt_cache_gb * 1e9, speculation and speculation.proposer, disk
     )
     if rank0:
         inp = Input(launcher_input())
@@ -223,6 +237,8 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
         user = None
         request = share_from_rank0(next_request if rank0 else None, group, "prepare the turn")
         if request is None:
+            if disk is not None:
+                disk.flush()  # the session ends: its blocks are on disk before it does
             return
         prompt_cache, feed, reused = cache.prepare(request["tokens"])
         emit(Phase("generating", prompt_tokens=len(request["tokens"])))
@@ -239,10 +255,12 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
             speculation=speculation,
             on_prefill=(lambda done, total: emit(Prefill(done, total))) if rank0 else None,
         )
+        cache.save(request["tokens"], answer.tokens)
         cache.done(request["tokens"], answer.tokens)
         if rank0:
             write("\n")
             conversation.add(user, answer.text)
             answer.stats["timings"]["cache_n"] = reused
+            answer.stats["timings"]["cache_disk_n"] = cache.from_disk
             answer.stats["usage"]["prompt_tokens_details"]["cached_tokens"] = reused
             emit(Stats(**answer.stats))

@@ -40,9 +40,14 @@ TMP_SUFFIX = ".tmp"
 
 
 def weights_fingerprint(model_dir: Path) -> str:
-    """The weights, cheaply: each safetensors file's name, size and header (tensor names,
-    shapes, dtypes and offsets), not its data."""
+    """The weights, cheaply: the config, the index, and each safetensors file's name, size and
+    header (tensor names, shapes, dtypes and offsets) of those on this host, not their data.
+    (A host may hold only its own stage's files; a file changed on another host changes
+    that host's ranks' keys, and their miss is every rank's.)"""
     h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (Path(model_dir) / name).exists():
+            h.update((Path(model_dir) / name).read_bytes())
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
@@ -115,7 +120,8 @@ class DiskCache:
     bounds the whole ``root`` (every plan and model kept there on this host)."""
 
     def __init__(self, root: Path, key: str, limit_bytes: float, layers: list[int],
-                 log: Callable[[str], None] = lambda _: None):  # fmt: skip
+                 log: Callable[[str], None] = lambda _: None, group=None):  # fmt: skip
+        self.group = group  # the job's: restore agrees with every rank
         self.root = Path(root)
         self.folder = self.root / key
         self.limit = limit_bytes
@@ -176,6 +182,7 @@ class DiskCache:
 
     def restore(self, model, tokens: list[int], group=None, worth: Callable[[int, int], bool]
                 = lambda tokens, nbytes: True) -> tuple[list | None, int]:  # fmt: skip
+        group = group if group is not None else self.group
         """Every rank at once: a fresh cache holding the longest prefix of ``tokens`` (at
         most all but the last token, which must still be fed) that every rank has on disk,
         and its length; (None, 0) when none. ``worth`` (rank 0's): whether reading that many
@@ -200,6 +207,12 @@ class DiskCache:
         self.stats.hits += 1
         self.stats.tokens_read += n * BLOCK_TOKENS
         return cache, n * BLOCK_TOKENS
+
+    def lookup(self, model, request: dict, prefill_tps: float | None = None, group=None):
+        """``restore`` for a request, with a fresh cache on a miss: (cache, tokens read)."""
+        cache, n = self.restore(model, request["tokens"], group,
+                                worth_reading(self.stats, prefill_tps))  # fmt: skip
+        return (cache if cache is not None else make_prompt_cache(model)), n
 
     # --- writing -----------------------------------------------------------------------------
 
@@ -294,6 +307,42 @@ def worth_reading(stats: DiskStats, prefill_tps: float | None) -> Callable[[int,
         return nbytes / bps < tokens / prefill_tps
 
     return worth
+
+
+def default_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mlx-cluster" / "prompt-cache"
+
+
+def open_disk_cache(loaded, spec, group, log: Callable[[str], None]) -> DiskCache | None:
+    """Every rank at once: this rank's disk tier for the job, or None on every rank when the
+    job asks for none or any rank cannot have one (its caches are not plain KV caches, a
+    speculative proposer's caches ride along, its folder cannot be made)."""
+    if spec.prompt_cache_disk_gb <= 0:
+        return None
+    if spec.draft.on or loaded.processor is not None:
+        log("disk prompt cache: off with a draft model or a vision model")
+        return None
+    layers = local_layers(make_prompt_cache(loaded.model))
+    root = Path(spec.prompt_cache_dir).expanduser() if spec.prompt_cache_dir else default_root()
+    ok = layers is not None
+    if not ok:
+        log("disk prompt cache: this model's caches are not plain KV caches; off")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log(f"disk prompt cache: cannot make {root} ({e}); off")
+        ok = False
+    if not agree_min(int(ok), group):
+        return None
+    q = spec.kv_quant
+    key = plan_key(weights=weights_fingerprint(loaded.path), family=loaded.config["model_type"],
+                   mode=spec.mode, ranks=spec.world_size, rank=group.rank(), layers=layers,
+                   split=spec.split, split_weights=spec.split_weights,
+                   kv=[q.kv_bits, q.kv_group_size, q.quantized_kv_start],
+                   format=FORMAT)  # fmt: skip
+    log(f"disk prompt cache: {root / key} (at most {spec.prompt_cache_disk_gb:g} GB in {root})")
+    return DiskCache(root, key, spec.prompt_cache_disk_gb * 1e9, layers, log, group)
 
 
 def _restore(a: np.ndarray, dtype: str) -> mx.array:

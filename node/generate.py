@@ -413,6 +413,7 @@ def answer_stats(
     ttft: float | None,
     cached: int = 0,
     stop_sequence: str | None = None,
+    from_disk: int = 0,
 ) -> dict:
     """usage and timings in the shape llama-server reports them. ``decoded`` tokens ran at
     ``generation_tps``; ``generated`` of them count for the answer (not those after a stop);
@@ -435,6 +436,7 @@ def answer_stats(
             "predicted_ms": predicted_ms,
             "predicted_per_second": generation_tps,
             "cache_n": cached,
+            "cache_disk_n": from_disk,
         },
         "time_to_first_token_s": ttft,
         "stop_sequence": stop_sequence,

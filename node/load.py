@@ -52,6 +52,7 @@ class Loaded:
     files: list[str]  # weight files this rank opened
     processor: Any = None  # mlx-vlm's processor, for vision-language models
     speculation: Any = None  # node.draft.Speculation: the proposer, the same on every rank
+    path: Path | None = None  # the checkpoint's folder on this host
 
 
 def resolve_model(ref: str, allow_patterns: list[str] | None = None) -> Path:
@@ -249,4 +250,4 @@ def load_shard(
         tokenizer = processor.tokenizer
     else:
         tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
-    return Loaded(model, tokenizer, config, layers, files, processor)
+    return Loaded(model, tokenizer, config, layers, files, processor, path=Path(model_dir))

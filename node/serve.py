@@ -216,6 +216,7 @@ class Live:
     prompt_n: int
     inserted: float
     cached: int = 0  # prompt tokens that came from the prompt cache
+    from_disk: int = 0  # of those, read from the disk tier
     first: float | None = None
     last: float | None = None
     n: int = 0
@@ -341,9 +342,11 @@ class Scheduler:
             self.emit(Refused(ticket.request.id, 503, "the server is shutting down"))
         self.waiting.clear()
 
-    def bind(self, joined: list[tuple[int | None, int, str | None]]) -> None:
+    def bind(self, joined: list[tuple[int | None, int, str | None]],
+             from_disk: dict[int, int] | None = None) -> None:  # fmt: skip
         """The requests just inserted: (uid, prompt tokens taken from the cache, why it
-        failed), in order. One that failed on the ranks is answered with a 500 alone."""
+        failed), in order; ``from_disk``: uid -> of those, read from disk. One that failed on
+        the ranks is answered with a 500 alone."""
         now = time.perf_counter()
         for (uid, cached, failed), (ticket, request) in zip(joined, self.inserting, strict=True):
             if failed is not None:
@@ -352,9 +355,9 @@ class Scheduler:
             text = answer_text(self.tokenizer, request)
             if text.opening:
                 self.piece(ticket, text.start())
-            self.lives[uid] = Live(
-                ticket, self.tokenizer.detokenizer, text, len(request["tokens"]), now, cached
-            )
+            self.lives[uid] = Live(ticket, self.tokenizer.detokenizer, text,
+                                   len(request["tokens"]), now, cached,
+                                   (from_disk or {}).pop(uid, 0))  # fmt: skip
         self.inserting = []
 
     def prefill_progress(self, prefilling: dict[int, tuple[int, int]]) -> None:
@@ -409,6 +412,7 @@ class Scheduler:
             (one.first - one.inserted) if one.first else None,
             one.cached,
             one.text.stop.hit,
+            one.from_disk,
         )
         self.answered(one.ticket, stats)
 
@@ -440,7 +444,7 @@ def cache_budget(gb: float | None, ranks_on_host: int) -> float:
     return free / max(1, ranks_on_host) / 2
 
 
-def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
+def run_serve(loaded, group, spec: JobSpec, emit, log, disk=None) -> None:
     """Every rank's loop: rank 0 says what to do each round, every rank does it; returns once
     rank 0 says quit (a drain ended)."""
     import mlx.core as mx
@@ -485,6 +489,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
             agreed["prefill_step"],
             options.max_stall,  # rank 0's pace decides; the others follow its orders
             spec.world_size if spec.mode == "pipeline" else 1,
+            disk,
         )
         if batched
         else None
@@ -543,7 +548,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
                 continue
             joined = batch.apply(order)
             if rank0:
-                scheduler.bind(joined)
+                scheduler.bind(joined, batch.from_disk)
         if batch is not None:
             batch.round(scheduler.on_token if rank0 else None)
             live = len(batch.live)
@@ -551,3 +556,5 @@ def run_serve(loaded, group, spec: JobSpec, emit, log) -> None:
                 scheduler.prefill_progress(batch.prefilling)
     if batch is not None:
         batch.close()
+    if disk is not None:
+        disk.flush()  # what the last answers left to write, before the ranks end

@@ -406,22 +406,25 @@ def test_serve_overlaps_pipeline_stages_only_while_nothing_decodes(tmp_path):
         "num_attention_heads": 2,
         "num_key_value_heads": 2,
         "intermediate_size": 64,
-    }  # a 9000-token prompt, fast
+    }  # a 5000-token prompt, fast
     built = make_model(tmp_path / "m", "llama", seed=1, eos_token_id=9999, **small)
     model, tokenizer = load(str(built))
     batch = Lockstep(model, tokenizer, 4, 4, 0, prefill_step=2048, max_stall=0.5, stages=2)
     assert batch.steps_this_round() == ROUND_STEPS
-    step = batch.next_prefill_step(joining=[9000])
-    assert step == 512
-    long = {"tokens": [5 + i % 200 for i in range(9000)], **settings(Sampling(max_tokens=2))}
+    step = batch.next_prefill_step(joining=[5000])
+    assert step == 256
+    long = {"tokens": [5 + i % 200 for i in range(5000)], **settings(Sampling(max_tokens=2))}
     ((uid, _, _),) = batch.apply({"insert": [long], "prefill_step": step})
-    assert batch.steps_this_round() == 2048 * 2 // 512
+    assert batch.steps_this_round() == 2048 * 2 // 256
     batch.round(None)
-    assert batch.prefilling[uid][0] == 8 * 512  # 8 steps in one round
+    assert batch.prefilling[uid][0] == 16 * 256  # 16 steps in one round
+    batch.apply({"remove": [uid]})
     short = {"tokens": [5, 6, 7], **settings(Sampling(max_tokens=400))}
     batch.apply({"insert": [short]})
-    while len(batch.live) == len(batch.prefilling):  # until the short one decodes
+    while not batch.decoding():
         batch.round(None)
-    assert batch.decoding() and batch.steps_this_round() == 1
-    assert batch.next_prefill_step() == batch.pace.step(decoding=True)
+    step = batch.next_prefill_step(joining=[5000])  # beside a decoding answer: the pace's
+    assert step == batch.pace.step(decoding=True)
+    batch.apply({"insert": [long], "prefill_step": step})
+    assert batch.steps_this_round() == 1
     batch.close()

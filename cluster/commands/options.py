@@ -530,7 +530,28 @@ DRAFT = {  # Draft: speculative decoding
         "tokens (or fewer) where they occurred before in the prompt or answer. 0: off.",
     ),
 }
-OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE, **DRAFT, **KV}
+DISK = {  # the prompt cache's disk tier
+    "prompt_cache_disk_gb": click.option(
+        "--prompt-cache-disk-gb",
+        type=click.FloatRange(min=0),
+        default=default(JobSpec, "prompt_cache_disk_gb"),
+        show_default=True,
+        metavar="GB",
+        help="Keep prompts' KV caches on each host's disk too, at most this many GB per host: "
+        "a prompt that starts like an earlier one (an agent's system prompt and tools, a "
+        "conversation sent again) reads that part instead of prefilling it, also after a "
+        "restart. Each rank keeps its own layers' or heads' part. 0: off.",
+    ),
+    "prompt_cache_dir": click.option(
+        "--prompt-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="The disk tier's folder on each host (default: ~/.cache/mlx-cluster/prompt-cache, "
+        "or under $XDG_CACHE_HOME). One folder may hold many models and plans, and be shared by "
+        "several jobs.",
+    ),
+}
+OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE, **DRAFT, **KV, **DISK}
 
 
 def with_options(*names: str):
@@ -546,7 +567,7 @@ def with_options(*names: str):
 
 def job_options(f):
     """What every command that runs a job takes: hosts, model, how to launch."""
-    return with_options(*HOST, *MODEL, *LAUNCH, *DRAFT, *KV)(f)
+    return with_options(*HOST, *MODEL, *LAUNCH, *DRAFT, *KV, *DISK)(f)
 
 
 def draft_of(values: dict) -> Draft:

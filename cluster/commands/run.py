@@ -52,6 +52,8 @@ def job_spec(command: str, values: dict, **fields) -> JobSpec:
         mode=values.pop("mode"),
         split=values.pop("split"),
         prefill_step=values.pop("prefill_step"),
+        prompt_cache_disk_gb=values.pop("prompt_cache_disk_gb"),
+        prompt_cache_dir=values.pop("prompt_cache_dir"),
         blas=values.pop("blas"),
         **fields,
     )

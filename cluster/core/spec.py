@@ -153,6 +153,8 @@ class JobSpec:
     split_weights: list[float] | None = None  # per-rank memory, for a weighted split
     prefill_step: int | None = None  # prompt tokens per prefill step (None: for mode and N)
     prompt_cache_gb: float = 4.0  # chat: the most KV cache each rank keeps between turns
+    prompt_cache_disk_gb: float = 0.0  # each host's disk tier of the prompt cache (0: off)
+    prompt_cache_dir: str | None = None  # its folder on each host (None: the user's cache)
     request: Request = field(default_factory=Request)
     serve: ServeSettings = field(default_factory=ServeSettings)
     bench: BenchSettings = field(default_factory=BenchSettings)

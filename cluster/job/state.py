@@ -275,9 +275,10 @@ def stats_line(stats: Stats, since_start: float | None) -> str:
     if "draft_n" in t:
         share = t["draft_n_accepted"] / t["draft_n"] if t["draft_n"] else 0.0
         drafted = f", {t['draft_n_accepted']} of {t['draft_n']} drafted accepted ({share:.0%})"
+    disk = f" ({t['cache_disk_n']} from disk)" if t.get("cache_disk_n") else ""
     return (
         f"prompt {t['prompt_n']} tokens at {t['prompt_per_second']:.1f} tok/s, cache "
-        f"{t['cache_n']}, generated {t['predicted_n']} tokens at "
+        f"{t['cache_n']}{disk}, generated {t['predicted_n']} tokens at "
         f"{t['predicted_per_second']:.1f} tok/s ({stats.finish_reason}){drafted}, {first}"
     )
 

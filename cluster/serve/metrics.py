@@ -40,6 +40,15 @@ class Metrics:
             "Time between two pieces of text of one answer",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.cache_tokens = Counter(
+            "mlx_cluster_prompt_cache_tokens", "Prompt tokens taken from the prompt cache, by "
+            "tier (memory: the ranks' kept caches; disk: each host's disk tier)", ["tier"],
+            registry=r,
+        )  # fmt: skip
+        self.cache_lookups = Counter(
+            "mlx_cluster_prompt_cache_lookups", "Answered requests by where their prompt's "
+            "start came from (memory, disk, or miss: all prefilled)", ["result"], registry=r,
+        )  # fmt: skip
         self.restarts = Counter(
             "mlx_cluster_restarts", "Restarts of the ranks after a failure", registry=r
         )
@@ -59,10 +68,16 @@ class Metrics:
     def finished(self, status: int | str) -> None:
         self.requests.labels(status=str(status)).inc()
 
-    def answered(self, usage: dict) -> None:
+    def answered(self, usage: dict, timings: dict | None = None) -> None:
         self.finished(200)
         self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
         self.completion_tokens.inc(usage.get("completion_tokens", 0))
+        cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        disk = (timings or {}).get("cache_disk_n", 0)
+        self.cache_tokens.labels(tier="memory").inc(cached - disk)
+        self.cache_tokens.labels(tier="disk").inc(disk)
+        result = "disk" if disk else "memory" if cached else "miss"
+        self.cache_lookups.labels(result=result).inc()
 
     def exposition(self) -> bytes:
         self.peak_memory.clear()

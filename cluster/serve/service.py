@@ -293,7 +293,7 @@ class Service:
             req.result = to_dict(event)
             req.chunks.put(END)
             if not flight.gone:
-                self.metrics.answered(event.usage)
+                self.metrics.answered(event.usage, event.timings)
         elif isinstance(event, Refused):
             del self.inflight[req.id]
             kind = "server_error" if event.status >= 500 else "invalid_request_error"

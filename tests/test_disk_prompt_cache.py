@@ -1,0 +1,72 @@
+"""The prompt cache's disk tier through `mlx-cluster serve`, as a user restarts it: a long
+prompt answered once, serve stopped, started again, the same prompt and a new turn read most
+of the prompt from each host's disk (every rank its own layers), with single-process mlx-lm's
+text; a server of another plan (mode) on the same folder misses. The tier's parts (blocks,
+checksums, the bound, two writers): tests/test_diskcache.py."""
+
+import pytest
+from conftest import rank_pids
+from long_context import long_text
+from matrix import reference
+from test_serve import Served
+from tiny import make_model
+
+from node.diskcache import BLOCK_TOKENS
+
+
+@pytest.fixture(autouse=True)
+def no_stray_ranks():
+    yield
+    assert rank_pids() == []
+
+
+def complete(server, prompt: str, max_tokens: int = 12):
+    return server.client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens,
+                                            temperature=0)  # fmt: skip
+
+
+def metric(server, name: str) -> str:
+    import urllib.request
+
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return [line for line in text.splitlines() if line.startswith(name)]
+
+
+@pytest.mark.e2e
+def test_serve_started_again_reads_a_long_prefix_from_disk(tmp_path):
+    model = make_model(tmp_path / "m", "llama", seed=1, max_position_embeddings=8192)
+    folder = tmp_path / "disk"
+    first = long_text(model, 1100)
+    turn = first + " and then the next question about it"
+    flags = ["-n", "2", "--prompt-cache-disk-gb", "1", "--prompt-cache-dir", str(folder)]
+    served = Served(model, *flags, "--mode", "pipeline")
+    try:
+        cold = complete(served, first)
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        assert served.stop() == 0  # the drain: the blocks are written before the ranks end
+    assert len(list(folder.rglob("*.safetensors"))) == 2 * (1100 + 12 - 1) // BLOCK_TOKENS
+
+    again = Served(model, *flags, "--mode", "pipeline")
+    try:
+        warm = complete(again, turn)
+        assert warm.choices[0].text == reference(model, turn, 12)
+        read = warm.usage.prompt_tokens_details.cached_tokens
+        assert read == 4 * BLOCK_TOKENS, read  # the blocks the first prompt filled
+        assert metric(again, 'mlx_cluster_prompt_cache_lookups_total{result="disk"}') == [
+            'mlx_cluster_prompt_cache_lookups_total{result="disk"} 1.0'
+        ]
+        assert metric(again, 'mlx_cluster_prompt_cache_tokens_total{tier="disk"}') == [
+            f'mlx_cluster_prompt_cache_tokens_total{{tier="disk"}} {float(read)}'
+        ]
+    finally:
+        assert again.stop() == 0
+
+    other = Served(model, *flags, "--mode", "tensor")  # another plan: its own blocks
+    try:
+        miss = complete(other, turn)
+        assert miss.usage.prompt_tokens_details.cached_tokens == 0
+        assert miss.choices[0].text == reference(model, turn, 12)
+    finally:
+        assert other.stop() == 0
