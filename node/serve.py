@@ -506,7 +506,8 @@ def run_serve(loaded, group, spec: JobSpec, emit, log, disk=None) -> None:
         progress.tick()  # a round, or an idle ping every PING_S: all ranks met
         if time.monotonic() - memory_at > MEMORY_EVERY_S:
             memory_at = time.monotonic()
-            emit(Memory(mx.get_peak_memory() / 1e9))
+            io = (disk.stats.bytes_read, disk.stats.bytes_written) if disk else (None, None)
+            emit(Memory(mx.get_peak_memory() / 1e9, *io))
         order = scheduler.order(live) if rank0 else None
         if rank0 and batch is not None:
             joining = [len(r["tokens"]) for r in (order or {}).get("insert", ())]

@@ -39,8 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from long_context import long_text  # noqa: E402
 from matrix import CLI, ONE_THREAD  # noqa: E402
-from serve_load import free_port, stop, wait_up  # noqa: E402
-from stall import llama_576, post  # noqa: E402
+from stall import fresh_serve, llama_576, post  # noqa: E402
 
 
 def launched(model: Path, prompt: str, ranks: int, step: int | None, mode: str = "pipeline",
@@ -62,23 +61,12 @@ def launched(model: Path, prompt: str, ranks: int, step: int | None, mode: str =
 def served(model: Path, prompt: str, ranks: int, step: int | None, mode: str = "pipeline",
            hostfile: Path | None = None, max_tokens: int = 4) -> dict:  # fmt: skip
     """One fresh serve: the seconds to answer ``prompt`` alone, and the text."""
-    port = free_port()
-    argv = [CLI, "serve", "-n", str(ranks), "--mode", mode, "--model", str(model),
-            "--port", str(port)]  # fmt: skip
-    if step is not None:
-        argv += ["--prefill-step", str(step)]
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True,
-                            env=ONE_THREAD)  # fmt: skip
-    try:
-        wait_up(port, proc)
-        post(port, "/v1/completions", {"model": model.name, "prompt": "Warm up.", "max_tokens": 2})
+    flags = [] if step is None else ["--prefill-step", str(step)]
+    with fresh_serve(model, mode, ranks, *flags) as port:
         body = {"model": model.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         start = time.perf_counter()
         answer = json.loads(post(port, "/v1/completions", body).read())
         seconds = time.perf_counter() - start
-    finally:
-        stop([proc])
     return {"seconds": seconds, "tokens": answer["usage"]["prompt_tokens"],
             "text": answer["choices"][0]["text"]}  # fmt: skip
 

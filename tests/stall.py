@@ -16,6 +16,7 @@ host of its own would have its own cores. The default model is llama-shaped (hid
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -122,6 +123,24 @@ def measure(
         }
     finally:
         stop_flag.set()
+        stop([proc])
+
+
+@contextlib.contextmanager
+def fresh_serve(model: Path, mode: str, ranks: int, *flags: str):
+    """A serve of its own (one BLAS thread per rank), warmed up with a short request; its
+    port. Stopped (a drain) on leaving."""
+    port = free_port()
+    argv = [str(BIN / "mlx-cluster"), "serve", "-n", str(ranks), "--mode", mode, "--model",
+            str(model), "--port", str(port), *flags]  # fmt: skip
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, env=env)  # fmt: skip
+    try:
+        wait_up(port, proc)
+        post(port, "/v1/completions", {"model": model.name, "prompt": "Warm up.", "max_tokens": 2})
+        yield port
+    finally:
         stop([proc])
 
 

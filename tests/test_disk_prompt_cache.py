@@ -4,6 +4,8 @@ of the prompt from each host's disk (every rank its own layers), with single-pro
 text; a server of another plan (mode) on the same folder misses. The tier's parts (blocks,
 checksums, the bound, two writers): tests/test_diskcache.py."""
 
+import time
+
 import pytest
 from conftest import rank_pids
 from long_context import long_text
@@ -60,6 +62,14 @@ def test_serve_started_again_reads_a_long_prefix_from_disk(tmp_path):
         assert metric(again, 'mlx_cluster_prompt_cache_tokens_total{tier="disk"}') == [
             f'mlx_cluster_prompt_cache_tokens_total{{tier="disk"}} {float(read)}'
         ]
+        deadline = time.monotonic() + 20  # each rank reports its bytes every 5 s
+        while time.monotonic() < deadline:
+            reads = [x for x in metric(again, "mlx_cluster_rank_disk_cache_bytes{")
+                     if 'direction="read"' in x and float(x.split()[-1]) > 0]  # fmt: skip
+            if len(reads) == 2:
+                break
+            time.sleep(0.5)
+        assert len(reads) == 2, metric(again, "mlx_cluster_rank_disk_cache_bytes")
     finally:
         assert again.stop() == 0
 
@@ -70,3 +80,23 @@ def test_serve_started_again_reads_a_long_prefix_from_disk(tmp_path):
         assert miss.choices[0].text == reference(model, turn, 12)
     finally:
         assert other.stop() == 0
+
+
+@pytest.mark.e2e
+def test_launch_and_chat_read_what_an_earlier_job_wrote(tmp_path):
+    from conftest import run_cli
+
+    model = make_model(tmp_path / "m", "llama", seed=1, max_position_embeddings=8192)
+    prompt = long_text(model, 700)
+    flags = ["--model", model, "--max-tokens", 8, "--prompt-cache-disk-gb", 1,
+             "--prompt-cache-dir", tmp_path / "disk"]  # fmt: skip
+    cold = run_cli("launch", *flags, "-", input=prompt)
+    assert cold.returncode == 0, cold.stderr
+    assert "from disk" not in cold.stderr
+    warm = run_cli("launch", *flags, "-", input=prompt)
+    assert warm.returncode == 0, warm.stderr
+    assert warm.stdout == cold.stdout == reference(model, prompt, 8)
+    assert f"cache {2 * BLOCK_TOKENS} ({2 * BLOCK_TOKENS} from disk)" in warm.stderr
+    chat = run_cli("chat", *flags, input=prompt + "\n")  # another command, the same plan
+    assert chat.returncode == 0, chat.stderr
+    assert "from disk)" in chat.stderr, chat.stderr

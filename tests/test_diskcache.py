@@ -161,3 +161,24 @@ def test_reading_is_chosen_only_when_faster_than_prefilling():
     stats.bytes_read, stats.read_s = 10**9, 1.0  # 1 GB/s
     assert worth_reading(stats, 100.0)(1000, 10**9)  # 1 s against 10 s of prefill
     assert not worth_reading(stats, 10_000.0)(1000, 10**9)  # 1 s against 0.1 s
+
+
+def test_a_full_disk_is_a_warning_and_a_miss_never_a_crash(model, tmp_path, monkeypatch):
+    import errno
+
+    import safetensors.numpy
+
+    path, m = model
+    said = []
+    disk = DiskCache(tmp_path, "plan", 1e9, local_layers(make_prompt_cache(m)), said.append)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    disk.save(TOKENS, prefilled(m, TOKENS)[0])
+    disk.flush()
+    assert len(said) == 1 and "No space left on device" in said[0]  # once, not per block
+    assert disk.writer.is_alive()
+    assert disk.restore(m, TOKENS) == (None, 0)
+    assert not list(tmp_path.rglob("*.tmp"))

@@ -146,6 +146,8 @@ class Refused:
 class Memory:
     kind = "memory"
     peak_memory_gb: float
+    disk_read_bytes: int | None = None  # the prompt cache's disk tier on this rank, so far
+    disk_written_bytes: int | None = None
 
 
 @dataclass

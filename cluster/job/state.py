@@ -46,6 +46,7 @@ class RankState:
     error: str | None = None
     bad_model: bool = False  # its error says the model cannot be served as asked
     peak_memory_gb: float | None = None  # reported by the rank when its work is done
+    disk_bytes: tuple[int, int] | None = None  # its disk prompt cache's bytes read, written
     load_s: float | None = None  # how long the rank took to load its shard
     progress: int = -1  # the last beat's step count
     progress_at: float = 0.0  # job time (elapsed) when it last changed
@@ -140,6 +141,8 @@ def on_event(job: JobState, rank: int, event: Event, elapsed: float) -> list[Say
         job.result.links = event
     elif isinstance(event, Memory):
         state.peak_memory_gb = event.peak_memory_gb
+        if event.disk_read_bytes is not None:
+            state.disk_bytes = (event.disk_read_bytes, event.disk_written_bytes or 0)
     elif isinstance(event, Notice):
         said.append(Say(event.message))
     elif isinstance(event, Error):

@@ -63,6 +63,10 @@ class Metrics:
             "mlx_cluster_rank_heartbeat_age_seconds", "Since each rank was last heard from",
             ["rank", "host"], registry=r,
         )  # fmt: skip
+        self.disk_bytes = Gauge(
+            "mlx_cluster_rank_disk_cache_bytes", "Bytes each rank's disk prompt cache has read "
+            "and written since the ranks started", ["rank", "host", "direction"], registry=r,
+        )  # fmt: skip
         self.content_type = CONTENT_TYPE_LATEST
 
     def finished(self, status: int | str) -> None:
@@ -82,11 +86,15 @@ class Metrics:
     def exposition(self) -> bytes:
         self.peak_memory.clear()
         self.heartbeat_age.clear()
+        self.disk_bytes.clear()
         now = time.monotonic()
         for s in self.ranks():
             labels = {"rank": str(s.rank), "host": s.host}
             if s.peak_memory_gb is not None:
                 self.peak_memory.labels(**labels).set(s.peak_memory_gb * 1e9)
+            if s.disk_bytes is not None:
+                for direction, n in zip(("read", "written"), s.disk_bytes, strict=True):
+                    self.disk_bytes.labels(**labels, direction=direction).set(n)
             if s.exit_code is None and s.last_seen:
                 self.heartbeat_age.labels(**labels).set(round(now - s.last_seen, 3))
         return generate_latest(self.registry)
