@@ -36,12 +36,18 @@ def metric(server, name: str) -> str:
 
 
 @pytest.mark.e2e
-def test_serve_started_again_reads_a_long_prefix_from_disk(tmp_path):
+def test_serve_started_again_then_launch_and_chat_read_a_long_prefix_from_disk(tmp_path):
+    """serve answers a 1,100-token prompt and stops; started again, it reads the prompt's
+    blocks back for the same prompt plus a turn; launch and chat of the same plan (2 ranks,
+    pipeline) read them too; a tensor-mode server on the same folder has its own blocks."""
+    from conftest import run_cli
+
     model = make_model(tmp_path / "m", "llama", seed=1, max_position_embeddings=8192)
     folder = tmp_path / "disk"
     first = long_text(model, 1100)
     turn = first + " and then the next question about it"
-    flags = ["-n", "2", "--prompt-cache-disk-gb", "1", "--prompt-cache-dir", str(folder)]
+    disk = ["--prompt-cache-disk-gb", "1", "--prompt-cache-dir", str(folder)]
+    flags = ["-n", "2", *disk]
     served = Served(model, *flags, "--mode", "pipeline")
     try:
         cold = complete(served, first)
@@ -73,6 +79,15 @@ def test_serve_started_again_reads_a_long_prefix_from_disk(tmp_path):
     finally:
         assert again.stop() == 0
 
+    job = ["--model", model, "--max-tokens", 12, *disk]  # launch's default: 2 ranks, pipeline
+    launched = run_cli("launch", *job, "-", input=turn)
+    assert launched.returncode == 0, launched.stderr
+    assert launched.stdout == reference(model, turn, 12)
+    assert f"cache {read} ({read} from disk)" in launched.stderr, launched.stderr
+    chat = run_cli("chat", *job, input=first + "\n")  # the same plan: the same blocks
+    assert chat.returncode == 0, chat.stderr
+    assert "from disk)" in chat.stderr, chat.stderr
+
     other = Served(model, *flags, "--mode", "tensor")  # another plan: its own blocks
     try:
         miss = complete(other, turn)
@@ -80,23 +95,3 @@ def test_serve_started_again_reads_a_long_prefix_from_disk(tmp_path):
         assert miss.choices[0].text == reference(model, turn, 12)
     finally:
         assert other.stop() == 0
-
-
-@pytest.mark.e2e
-def test_launch_and_chat_read_what_an_earlier_job_wrote(tmp_path):
-    from conftest import run_cli
-
-    model = make_model(tmp_path / "m", "llama", seed=1, max_position_embeddings=8192)
-    prompt = long_text(model, 700)
-    flags = ["--model", model, "--max-tokens", 8, "--prompt-cache-disk-gb", 1,
-             "--prompt-cache-dir", tmp_path / "disk"]  # fmt: skip
-    cold = run_cli("launch", *flags, "-", input=prompt)
-    assert cold.returncode == 0, cold.stderr
-    assert "from disk" not in cold.stderr
-    warm = run_cli("launch", *flags, "-", input=prompt)
-    assert warm.returncode == 0, warm.stderr
-    assert warm.stdout == cold.stdout == reference(model, prompt, 8)
-    assert f"cache {2 * BLOCK_TOKENS} ({2 * BLOCK_TOKENS} from disk)" in warm.stderr
-    chat = run_cli("chat", *flags, input=prompt + "\n")  # another command, the same plan
-    assert chat.returncode == 0, chat.stderr
-    assert "from disk)" in chat.stderr, chat.stderr

@@ -188,7 +188,7 @@ def test_entries_of_one_host_and_directory_are_copied_once(models, tmp_path):
 
 
 def start_a_big_sync(sshd, models, tmp_path):
-    """A sync of the llama model plus a 300 MiB file, caught once that file's copy on host 1
+    """A sync of the llama model plus a 512 MiB file, caught once that file's copy on host 1
     is under way: the sync, the big source file, and host 1's .part of it."""
     import os
     import shutil
@@ -200,7 +200,7 @@ def start_a_big_sync(sshd, models, tmp_path):
     model = tmp_path / "big"
     shutil.copytree(models["llama"], model)
     extra = model / "model-extra.safetensors"
-    extra.write_bytes(os.urandom(300 * 1024 * 1024))  # big enough to be caught mid-copy
+    extra.write_bytes(os.urandom(512 * 1024 * 1024))  # big enough to be caught mid-copy
     hf = rig(sshd, tmp_path)
     args = [CLI, "sync", "--hostfile", hf, "--model", model, "--mode", "tensor", "--json"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -663,7 +663,7 @@ def result_or_interrupt(future: Future):
     copy's threads, and then a main thread blocked for good on the future never runs Python's
     handler (seen here: a copy ran 2 s to its end after Ctrl-C); a bounded wait lets it."""
     while not future.done():
-        wait([future], timeout=0.2)
+        wait([future], timeout=0.05)
     return future.result()
 
 
