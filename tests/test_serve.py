@@ -483,3 +483,28 @@ def test_a_signal_while_serve_starts_stops_every_rank(models, sig):
     assert proc.returncode == 128 + sig, err
     assert "AttributeError" not in err and "all ranks stopped" in err
     assert "serving" not in err and out == ""
+
+
+@pytest.mark.e2e
+def test_status_and_the_page_show_the_running_server(server):
+    """`mlx-cluster status` prints /v1/cluster's overview: both ranks ready, on this host,
+    with the layers each holds; the page's file is served at /. (The page in a browser:
+    tests/test_page.py.)"""
+    from conftest import invoke
+
+    ask(server.client)  # one answer, so the figures have something
+    p = invoke("status", "--url", f"http://127.0.0.1:{server.port}")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "m: ok, pipeline mode, 2 of 2 ranks up, 0 restart(s)", p.stdout
+    ranks = [x.split() for x in lines if x.strip()[:1].isdigit()]
+    assert [(r[0], r[1], r[2]) for r in ranks] == [("0", "localhost", "ready"),
+                                                   ("1", "localhost", "ready")]  # fmt: skip
+    assert all("layers" in x for x in lines if x.strip()[:1].isdigit())
+    p = invoke("status", "--url", f"http://127.0.0.1:{server.port}", "--json")
+    assert json.loads(p.stdout)["answered"] >= 1
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/html")
+        assert b"mlx-cluster" in r.read()
+    gone = invoke("status", "--url", f"http://127.0.0.1:{free_port()}")
+    assert gone.returncode == 1 and "no serve answers at" in gone.stderr

@@ -188,10 +188,11 @@ def test_entries_of_one_host_and_directory_are_copied_once(models, tmp_path):
 
 
 def start_a_big_sync(sshd, models, tmp_path):
-    """A sync of the llama model plus a 512 MiB file, caught once that file's copy on host 1
+    """A sync of the llama model plus a 300 MiB file, caught once that file's copy on host 1
     is under way: the sync, the big source file, and host 1's .part of it."""
     import os
     import shutil
+    import signal
     import subprocess
     import time
 
@@ -200,10 +201,18 @@ def start_a_big_sync(sshd, models, tmp_path):
     model = tmp_path / "big"
     shutil.copytree(models["llama"], model)
     extra = model / "model-extra.safetensors"
-    extra.write_bytes(os.urandom(512 * 1024 * 1024))  # big enough to be caught mid-copy
+    extra.write_bytes(os.urandom(300 * 1024 * 1024))  # big enough to be caught mid-copy
     hf = rig(sshd, tmp_path)
     args = [CLI, "sync", "--hostfile", hf, "--model", model, "--mode", "tensor", "--json"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # as from a terminal, where Ctrl-C reaches a command: SIGINT at its default action (a
+    # suite started in the background by a script inherits SIGINT ignored, and Python then
+    # keeps ignoring it)
+    def terminal_like() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=terminal_like)  # fmt: skip
     part = tmp_path / "h1" / "big" / "model-extra.safetensors.part"
     deadline = time.monotonic() + 120
     while not (part.exists() and part.stat().st_size > 0):  # the copy of that file is under way
@@ -217,9 +226,10 @@ def test_ctrl_c_keeps_the_partial_copy_and_the_next_sync_resumes_it(sshd, models
     import signal
 
     proc, extra, part = start_a_big_sync(sshd, models, tmp_path)
+    masks = [x for x in open(f"/proc/{proc.pid}/status") if x.startswith(("SigBlk", "SigIgn"))]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "run it again to resume" in err
+    assert proc.returncode == 130 and "run it again to resume" in err, (masks, err[-500:])
     assert not receivers(tmp_path)  # neither here nor behind the SSH session
     kept = part.stat().st_size
     assert 0 < kept < extra.stat().st_size

@@ -9,6 +9,7 @@ from cluster.commands.bench import bench
 from cluster.commands.doctor import doctor
 from cluster.commands.rig import hostfile_group, install, sync
 from cluster.commands.run import chat, launch, serve
+from cluster.commands.status import status
 
 
 @click.group()
@@ -17,7 +18,7 @@ def cli():
     """Run one language model across several Apple Silicon Macs (or ranks of this machine)."""
 
 
-for command in (launch, chat, serve, bench, doctor, sync, install, hostfile_group):
+for command in (launch, chat, serve, status, bench, doctor, sync, install, hostfile_group):
     cli.add_command(command)
 
 

@@ -48,6 +48,7 @@ class RankState:
     peak_memory_gb: float | None = None  # reported by the rank when its work is done
     disk_bytes: tuple[int, int] | None = None  # its disk prompt cache's bytes read, written
     load_s: float | None = None  # how long the rank took to load its shard
+    layers: list[int] | None = None  # [first, end) of its pipeline stage; None: all layers
     progress: int = -1  # the last beat's step count
     progress_at: float = 0.0  # job time (elapsed) when it last changed
     idle: bool = False  # waits for the user on purpose: no progress is expected
@@ -119,6 +120,7 @@ def on_event(job: JobState, rank: int, event: Event, elapsed: float) -> list[Say
     elif isinstance(event, Ready):
         state.phase = "ready"
         state.load_s = event.load_s
+        state.layers = event.layers
         job.ready += 1
         if job.all_ready:
             job.result.ready_s = elapsed

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from cluster.core.protocol import Piece, ToolCall
 from cluster.serve.api.anthropic import CountTokens, Messages
@@ -41,6 +42,11 @@ from cluster.serve.api.shared import (
 POLL_S = 0.5  # how often a waiting request looks whether its client is still there
 KEEPALIVE_S = 10.0  # a stream with nothing to send yet (a long prefill) says so this often
 GONE = (BrokenPipeError, ConnectionResetError, TimeoutError, OSError)  # a client that left
+
+
+PAGE_DIR = Path(__file__).with_name("page")
+PAGE_FILES = {"index.html": "text/html; charset=utf-8", "page.js": "text/javascript",
+              "page.css": "text/css"}  # fmt: skip
 
 
 class Api:
@@ -180,11 +186,15 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.reading.cancel()
+        path = self.path.split("?")[0].rstrip("/")
+        if path == "" or path.startswith("/page/"):  # the page loads without the key
+            return self.page(path.removeprefix("/page/") or "index.html")
         if not self.authorized(None):
             return
         service = self.service
-        path = self.path.split("?")[0].rstrip("/")
-        if path == "/v1/models":
+        if path == "/v1/cluster":
+            self.reply(200, service.cluster())
+        elif path == "/v1/models":
             data = [
                 {
                     "id": service.model_id,
@@ -231,6 +241,20 @@ class Handler(BaseHTTPRequestHandler):
         except GONE:  # the client went away
             self.close_connection = True
             service.cancel(req)
+
+    def page(self, name: str) -> None:
+        """The page's own files (shipped in cluster/serve/page/; no CDN: a rig may have no
+        internet). Every call it makes for data or a chat needs the key."""
+        kind = PAGE_FILES.get(name)
+        if kind is None:
+            return self.error(RequestError(404, f"no route {self.path[:200]}", "not_found_error"))
+        data = (PAGE_DIR / name).read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        self.wfile.write(data)
 
     def authorized(self, endpoint: Endpoint | None) -> bool:
         if self.api.authorized(self.headers):

@@ -72,6 +72,28 @@ class Failure:
     dropped: list[str] = field(default_factory=list)  # of those, given up (not replayed)
 
 
+ANSWERS_KEPT = 2000  # the last answers /v1/cluster's rates and latencies come from
+
+
+@dataclass
+class Answered:
+    """One answered request, as the page's figures need it."""
+
+    at: float  # time.time() of its end
+    prompt_tokens: int
+    prompt_s: float  # its prefill
+    completion_tokens: int
+    decode_s: float
+    ttft_s: float | None
+
+    @classmethod
+    def of(cls, stats: Stats, at: float) -> Answered:
+        t = stats.timings
+        return cls(at, t.get("prompt_n", 0), t.get("prompt_ms", 0.0) / 1000,
+                   t.get("predicted_n", 0), t.get("predicted_ms", 0.0) / 1000,
+                   stats.time_to_first_token_s)  # fmt: skip
+
+
 @dataclass
 class Flight:
     """A request rank 0 has, from the line sent to its end."""
@@ -100,7 +122,9 @@ class Service:
         self.door = Door(frozenset({self.model_id, spec.model}), spec.serve.max_tokens_cap)
         self.stderr = stderr
         self.hosts_total = len(hostfile.hosts)
+        self.all_hosts = list(hostfile.hosts)  # the hostfile's, those left out included
         self.hostfile = hostfile  # the hosts of the current job
+        self.answers: deque[Answered] = deque(maxlen=ANSWERS_KEPT)  # for /v1/cluster's figures
         self.calls: queue.SimpleQueue = queue.SimpleQueue()  # reentrant: signal handlers post
         self.pending: deque[ApiRequest] = deque()
         self.waiting_since: dict[str, float] = {}
@@ -163,6 +187,10 @@ class Service:
 
     def health(self) -> dict:
         return self.ask(self.describe)
+
+    def cluster(self) -> dict:
+        """/v1/cluster: /health's and the page's figures (cluster.serve.overview)."""
+        return self.ask(self.overview)
 
     # the job's side (cluster.job.launcher.JobLink)
 
@@ -258,6 +286,11 @@ class Service:
             ],
         }
 
+    def overview(self) -> dict:
+        from cluster.serve.overview import overview
+
+        return overview(self, time.time())
+
     def attached(self, outbox: queue.Queue, state: JobState) -> None:
         self.outbox, self.state = outbox, state
 
@@ -294,6 +327,7 @@ class Service:
             req.chunks.put(END)
             if not flight.gone:
                 self.metrics.answered(event.usage, event.timings)
+                self.answers.append(Answered.of(event, time.time()))
         elif isinstance(event, Refused):
             del self.inflight[req.id]
             kind = "server_error" if event.status >= 500 else "invalid_request_error"
