@@ -33,7 +33,10 @@ function svg(tag, attrs, text) {
   return el;
 }
 
-function gb(x) { return x === null || x === undefined ? "–" : x.toFixed(2) + " GB"; }
+function gb(x) {
+  if (x === null || x === undefined) return "–";
+  return x < 1 ? (x * 1000).toFixed(0) + " MB" : x.toFixed(2) + " GB";
+}
 function secs(x) { return x === null || x === undefined ? "–" : x < 1 ? (x * 1000).toFixed(0) + " ms" : x.toFixed(2) + " s"; }
 
 function holds(r, mode) {
@@ -47,6 +50,7 @@ function drawRig(c) {
   const n = c.hosts.length, w = 190, h = 120, gap = 60, top = 30;
   const width = n * w + (n - 1) * gap + 20;
   area.setAttribute("viewBox", `0 0 ${Math.max(width, 400)} 190`);
+  area.setAttribute("preserveAspectRatio", "xMinYMid meet");
   c.hosts.forEach((host, i) => {
     const x = 10 + i * (w + gap);
     if (i > 0) {  // the link to the host before, in the ring's order
@@ -76,10 +80,10 @@ function drawRig(c) {
       area.append(svg("rect", { x: x + 10, y: top + 94, width: (w - 20) * frac, height: 8, rx: 4,
         fill: frac > 0.9 ? "#c62828" : "#0a84ff" }));
       area.append(svg("text", { x: x + 10, y: top + 116, "font-size": 11, fill: "#6e6e73" },
-        `${used.toFixed(1)} of ${limit.toFixed(1)} GB`));
+        `${gb(used)} of ${gb(limit)}`));
     } else if (!host.left_out) {
       area.append(svg("text", { x: x + 10, y: top + 104, "font-size": 11, fill: "#6e6e73" },
-        `peak ${used.toFixed(2)} GB`));
+        `peak ${gb(used)}`));
     }
   });
 }
