@@ -143,8 +143,9 @@ def run(spec: JobSpec) -> None:
             emit(Phase("generating"))
             stats = generate_vlm(loaded.model, loaded.processor, request, write, group)
         else:
-            emit(Phase("generating", prompt_tokens=len(request["tokens"])))
-            cache, from_disk = (None, 0) if disk is None else disk.lookup(loaded.model, request)
+            tokens = request["tokens"]
+            emit(Phase("generating", prompt_tokens=len(tokens)))
+            cache, from_disk = (None, 0) if disk is None else disk.lookup(loaded.model, tokens)
             answer = generate(
                 loaded.model,
                 loaded.tokenizer,
@@ -152,26 +153,19 @@ def run(spec: JobSpec) -> None:
                 write,
                 group,
                 prompt_cache=cache,
-                feed=request["tokens"][from_disk:] if cache is not None else None,
+                feed=tokens[from_disk:] if cache is not None else None,
                 speculation=loaded.speculation,
                 on_prefill=report_prefill if rank == 0 else None,
+                from_disk=from_disk,
             )
             stats = answer.stats
             if disk is not None:
-                disk.save(request["tokens"] + answer.tokens, cache)
+                disk.save(tokens + answer.tokens, cache)
                 disk.flush()  # the job ends: its blocks are on disk before it does
-                with_disk_hit(stats, from_disk)
     emit_memory()
     barrier(group)
     if stats is not None and rank == 0:
         emit(Stats(**stats))
-
-
-def with_disk_hit(stats: dict, tokens: int) -> None:
-    """An answer's stats, ``tokens`` of its prompt read from the disk tier."""
-    stats["timings"]["cache_n"] = tokens
-    stats["timings"]["cache_disk_n"] = tokens
-    stats["usage"]["prompt_tokens_details"]["cached_tokens"] = tokens
 
 
 def report_prefill(done: int, total: int) -> None:

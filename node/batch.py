@@ -122,7 +122,7 @@ class Lockstep:
         self.stages = stages  # pipeline stages (1 in tensor mode)
         self.model = model
         self.disk = disk  # node.diskcache.DiskCache: the tier under the prompt cache
-        self.from_disk: dict[int, int] = {}  # uid -> prompt tokens read from disk (rank 0 pops)
+        self.from_disk: dict[int, int] = {}  # the last apply's: uid -> prompt tokens from disk
         self.kept = 0  # answers' caches kept since the bytes were last checked
 
     def decoding(self) -> bool:
@@ -155,6 +155,7 @@ class Lockstep:
         settings failed (on every rank alike)."""
         if "prefill_step" in order:
             self.generator.prefill_step_size = order["prefill_step"]
+        self.from_disk = {}
         joined = []
         for r in order.get("insert", ()):
             try:
@@ -192,7 +193,7 @@ class Lockstep:
         cache, rest = self.in_memory(tokens)
         if self.disk is not None and len(rest) - 1 >= BLOCK_TOKENS:
             worth = worth_reading(self.disk.stats, self.pace.rate)
-            from_disk, n = self.disk.restore(self.model, tokens, None, worth)
+            from_disk, n = self.disk.restore(self.model, tokens, worth)
             if n > len(tokens) - len(rest):
                 return from_disk, tokens[n:], n
         return cache, rest, 0

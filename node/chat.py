@@ -120,8 +120,9 @@ class TurnCache:
         self.layers = len(cache)
         return cache + (make_prompt_cache(self.proposer) if self.proposer else [])
 
-    def prepare(self, tokens: list[int]) -> tuple[list, list[int], int]:
-        """(cache to decode with, tokens still to prefill, tokens reused from the cache)."""
+    def prepare(self, tokens: list[int]) -> tuple[list, list[int]]:
+        """(cache to decode with, tokens still to prefill); ``from_disk``: how many of those
+        before them were read from the disk tier."""
         if self.cache is None:
             self.cache, self.tokens = self.make(), []
         held = self.tokens
@@ -141,7 +142,7 @@ class TurnCache:
             cache, n = self.disk.restore(self.model, tokens)  # every rank: the same state
             if n > reused:
                 self.cache, self.tokens, reused, self.from_disk = cache, tokens[:n], n, n
-        return self.cache, tokens[reused:], reused
+        return self.cache, tokens[reused:]
 
     def save(self, tokens: list[int], generated: list[int]) -> None:
         """After a turn, before ``done``: its blocks to the disk tier."""
@@ -240,7 +241,7 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
             if disk is not None:
                 disk.flush()  # the session ends: its blocks are on disk before it does
             return
-        prompt_cache, feed, reused = cache.prepare(request["tokens"])
+        prompt_cache, feed = cache.prepare(request["tokens"])
         emit(Phase("generating", prompt_tokens=len(request["tokens"])))
         answer = generate(
             loaded.model,
@@ -254,13 +255,11 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
             cancellable=True,
             speculation=speculation,
             on_prefill=(lambda done, total: emit(Prefill(done, total))) if rank0 else None,
+            from_disk=cache.from_disk,
         )
         cache.save(request["tokens"], answer.tokens)
         cache.done(request["tokens"], answer.tokens)
         if rank0:
             write("\n")
             conversation.add(user, answer.text)
-            answer.stats["timings"]["cache_n"] = reused
-            answer.stats["timings"]["cache_disk_n"] = cache.from_disk
-            answer.stats["usage"]["prompt_tokens_details"]["cached_tokens"] = reused
             emit(Stats(**answer.stats))

@@ -26,7 +26,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,12 +103,9 @@ class DiskStats:
     """What this rank's disk tier did (rank 0's go to /metrics and the stats line)."""
 
     hits: int = 0
-    misses: int = 0
-    tokens_read: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     read_s: float = 0.0
-    errors: list[str] = field(default_factory=list)
 
     @property
     def read_bps(self) -> float | None:
@@ -139,14 +136,16 @@ class DiskCache:
     def path(self, name: str) -> Path:
         return self.folder / name[:2] / f"{name}.safetensors"
 
-    def held(self, names: list[str]) -> int:
-        """How many of the first blocks are on disk (by name only; reading may still fail)."""
-        n = 0
+    def held(self, names: list[str]) -> list[int]:
+        """The sizes of the first blocks that are on disk (by name only; reading may still
+        fail), up to the first that is not."""
+        sizes = []
         for name in names:
-            if not self.path(name).exists():
+            try:
+                sizes.append(self.path(name).stat().st_size)
+            except FileNotFoundError:
                 break
-            n += 1
-        return n
+        return sizes
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -180,23 +179,21 @@ class DiskCache:
             self.stats.bytes_read += size
         return blocks
 
-    def restore(self, model, tokens: list[int], group=None, worth: Callable[[int, int], bool]
+    def restore(self, model, tokens: list[int], worth: Callable[[int, int], bool]
                 = lambda tokens, nbytes: True) -> tuple[list | None, int]:  # fmt: skip
-        group = group if group is not None else self.group
         """Every rank at once: a fresh cache holding the longest prefix of ``tokens`` (at
         most all but the last token, which must still be fed) that every rank has on disk,
         and its length; (None, 0) when none. ``worth`` (rank 0's): whether reading that many
         tokens' blocks of that many bytes beats prefilling them."""
         names = block_hashes(tokens[:-1])
-        n = self.held(names)
-        if n and (group is None or group.rank() == 0):
-            nbytes = sum(self.path(x).stat().st_size for x in names[:n] if self.path(x).exists())
-            n = n if worth(n * BLOCK_TOKENS, nbytes) else 0
-        n = agree_min(n, group)
+        sizes = self.held(names)
+        n = len(sizes)
+        if n and (self.group is None or self.group.rank() == 0):
+            n = n if worth(n * BLOCK_TOKENS, sum(sizes)) else 0
+        n = agree_min(n, self.group)
         blocks = self.read(names[:n]) if n else []
-        n = agree_min(len(blocks), group)
+        n = agree_min(len(blocks), self.group)
         if not n:
-            self.stats.misses += 1
             return None, 0
         cache = make_prompt_cache(model)
         for i in self.layers:
@@ -205,13 +202,12 @@ class DiskCache:
             cache[i].state = (keys, values, n * BLOCK_TOKENS)
         mx.eval([cache[i].keys for i in self.layers], [cache[i].values for i in self.layers])
         self.stats.hits += 1
-        self.stats.tokens_read += n * BLOCK_TOKENS
         return cache, n * BLOCK_TOKENS
 
-    def lookup(self, model, request: dict, prefill_tps: float | None = None, group=None):
-        """``restore`` for a request, with a fresh cache on a miss: (cache, tokens read)."""
-        cache, n = self.restore(model, request["tokens"], group,
-                                worth_reading(self.stats, prefill_tps))  # fmt: skip
+    def lookup(self, model, tokens: list[int]) -> tuple[list, int]:
+        """``restore``, with a fresh cache on a miss: (cache, tokens read). Without a measured
+        prefill rate (a job's first prompt), reading is always tried."""
+        cache, n = self.restore(model, tokens)
         return (cache if cache is not None else make_prompt_cache(model)), n
 
     # --- writing -----------------------------------------------------------------------------

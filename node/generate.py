@@ -76,10 +76,12 @@ def generate(
     speculation=None,
     on_prefill: Callable[[int, int], None] | None = None,
     first_logits: list | None = None,
+    from_disk: int = 0,
 ) -> Generated:
     """Decode ``request`` (identical on every rank); ``write`` gets text segments on rank 0.
 
-    With ``prompt_cache`` (holding the start of the prompt), only ``feed`` is prefilled.
+    With ``prompt_cache`` (holding the start of the prompt), only ``feed`` is prefilled; the
+    stats count the rest as cached (``from_disk`` of them read from the disk tier).
     ``cancellable`` (chat, serve: the same on every rank) says rank 0 may cancel the answer,
     also during the prefill; ``cancelled`` is how rank 0 learns it; ``on_response`` (rank 0)
     sees each response before its text (serve's logprobs); ``on_prefill`` (rank 0) gets
@@ -105,6 +107,9 @@ def generate(
         mx.synchronize(generation_stream)
         stats = answer_stats(e.total, 0.0, 0, 0.0, 0, "cancelled", None)
         return Generated("", [], stats)
+    cached = len(request["tokens"]) - len(feed) if feed is not None else 0
+    answer.stats["timings"].update(cache_n=cached, cache_disk_n=from_disk)
+    answer.stats["usage"]["prompt_tokens_details"]["cached_tokens"] = cached
     if speculation is not None:
         k, most = speculation.k, sampling_of(request).max_tokens
         drafted, accepted = draft_counts(answer.from_draft, k, most)

@@ -357,7 +357,7 @@ class Scheduler:
                 self.piece(ticket, text.start())
             self.lives[uid] = Live(ticket, self.tokenizer.detokenizer, text,
                                    len(request["tokens"]), now, cached,
-                                   (from_disk or {}).pop(uid, 0))  # fmt: skip
+                                   (from_disk or {}).get(uid, 0))  # fmt: skip
         self.inserting = []
 
     def prefill_progress(self, prefilling: dict[int, tuple[int, int]]) -> None:
@@ -506,7 +506,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log, disk=None) -> None:
         progress.tick()  # a round, or an idle ping every PING_S: all ranks met
         if time.monotonic() - memory_at > MEMORY_EVERY_S:
             memory_at = time.monotonic()
-            io = (disk.stats.bytes_read, disk.stats.bytes_written) if disk else (None, None)
+            io = (None, None) if disk is None else (disk.stats.bytes_read, disk.stats.bytes_written)
             emit(Memory(mx.get_peak_memory() / 1e9, *io))
         order = scheduler.order(live) if rank0 else None
         if rank0 and batch is not None:

@@ -41,6 +41,8 @@ def overview(service, now: float) -> dict[str, Any]:
                 "status",
                 "model",
                 "mode",
+                "ranks",
+                "ranks_up",
                 "waiting",
                 "in_flight",
                 "restarts",
@@ -48,8 +50,6 @@ def overview(service, now: float) -> dict[str, Any]:
                 "dropped_after_failures",
             )
         },  # fmt: skip
-        "ranks": health["ranks"],
-        "ranks_up": health["ranks_up"],
         "hosts": hosts,
         "failures": [dataclasses.asdict(f) for f in service.failures],
         "window_s": WINDOW_S,
