@@ -66,7 +66,7 @@ def run(spec: JobSpec) -> None:
     from .dist import barrier, init_group
     from .generate import generate, use_step_args
     from .load import load_shard
-    from .memory import apply_metal_limits
+    from .memory import apply_memory_limits
     from .share import share_from_rank0
     from .vlm import generate_vlm
     from .watchdog import wait_for_start
@@ -84,9 +84,15 @@ def run(spec: JobSpec) -> None:
         emit(Ready(0.0))
         run_links(group, spec.hostfile_backend, emit)
         return
-    limit = apply_metal_limits()
+    if spec.command == "serve" and spec.measure_links and spec.world_size > 1:
+        from .links import run_links  # before the model: the links idle, the memory free
+
+        emit(Phase("links"))
+        run_links(group, spec.hostfile_backend, emit)
+    limit = apply_memory_limits()
     if limit is not None:
-        log(f"Metal memory and wired limits: {limit / 1e9:.1f} GB")
+        what = "Metal memory and wired limits" if limit[0] == "Metal" else "CUDA memory limit"
+        log(f"{what}: {limit[1] / 1e9:.1f} GB")
     emit(Phase("loading"))
     tic = time.perf_counter()
     loaded = load_shard(spec.model, spec.mode, group, spec.split, spec.split_weights)

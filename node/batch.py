@@ -46,6 +46,7 @@ from mlx_lm.models.cache import (
 )
 
 from .diskcache import BLOCK_TOKENS, worth_reading
+from .dist import control_stream
 from .generate import PREFILL_STEP, STOP_CHECK_EVERY, Ticking, prefill_step
 from .memory import reapply_wired_limit
 from .sampling import RequestFailed, tried
@@ -229,7 +230,8 @@ class Lockstep:
             over = self.prompt_cache.nbytes > self.cache_bytes
             if self.group is not None and self.group.size() > 1:
                 flag = mx.array(1.0 if over else 0.0)
-                over = mx.distributed.all_sum(flag, group=self.group, stream=mx.cpu).item() > 0
+                total = mx.distributed.all_sum(flag, group=self.group, stream=control_stream())
+                over = total.item() > 0
             if not over:
                 break
             self.prompt_cache.trim_to(n_sequences=len(self.prompt_cache) - 1)

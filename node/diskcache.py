@@ -34,6 +34,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from .dist import control_stream
+
 BLOCK_TOKENS = 256
 FORMAT = "1"
 TMP_SUFFIX = ".tmp"
@@ -352,4 +354,4 @@ def agree_min(n: int, group) -> int:
         return n
     slots = mx.zeros((group.size(),), dtype=mx.int32)
     slots[group.rank()] = n
-    return int(mx.distributed.all_sum(slots, group=group, stream=mx.cpu).min().item())
+    return int(mx.distributed.all_sum(slots, group=group, stream=control_stream()).min().item())

@@ -8,11 +8,21 @@ import mlx.core as mx
 
 
 def backend_from_env(env: dict[str, str] | None = None) -> str:
-    """jaccl when the launcher gave a coordinator and an IBV device matrix, ring otherwise."""
+    """jaccl when the launcher gave a coordinator and an IBV device matrix, nccl when it gave
+    NCCL's host and port, ring otherwise."""
     env = os.environ if env is None else env
     if env.get("MLX_JACCL_COORDINATOR") and env.get("MLX_IBV_DEVICES"):
         return "jaccl"
+    if env.get("NCCL_HOST_IP") and env.get("NCCL_PORT") and env.get("MLX_WORLD_SIZE"):
+        return "nccl"
     return "ring"
+
+
+def control_stream() -> mx.Stream | mx.Device:
+    """Where the small collectives (shared requests, stop flags, barriers) run: the CPU, so
+    they never queue behind the model's work, except over nccl, whose collectives run on the
+    GPU's streams only."""
+    return mx.gpu if backend_from_env() == "nccl" else mx.cpu
 
 
 def init_group(world_size: int) -> mx.distributed.Group:
@@ -31,4 +41,4 @@ def init_group(world_size: int) -> mx.distributed.Group:
 def barrier(group: mx.distributed.Group) -> None:
     """Every rank reaches this point before any leaves it."""
     if group.size() > 1:
-        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=control_stream()))

@@ -17,6 +17,7 @@ from mlx_lm.generate import generation_stream, stream_generate
 
 from cluster.core.spec import Request, Template
 
+from .dist import control_stream
 from .reasoning import THINK_OPEN, Rewrite, held_back, normalizer, opens_in_thought
 from .sampling import processors, sampler, sampling_of, settings
 from .watchdog import progress
@@ -290,7 +291,8 @@ def rank0_stopped(stopped: bool, group, gen_stream) -> bool:
     generation stream's thread, and a collective on another stream at the same time would
     interleave with them on the same sockets (garbled hidden states, not an error)."""
     mx.synchronize(gen_stream)
-    flag = mx.distributed.all_sum(mx.array(1.0 if stopped else 0.0), group=group, stream=mx.cpu)
+    flag = mx.array(1.0 if stopped else 0.0)
+    flag = mx.distributed.all_sum(flag, group=group, stream=control_stream())
     return flag.item() > 0
 
 

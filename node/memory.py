@@ -1,9 +1,12 @@
-"""A rank's Metal memory limits, set before it loads and released when it exits.
+"""A rank's memory limits, from its own device, set before it loads.
 
 On a Mac the rank's share of a large model may come close to the unified memory: MLX's memory
 limit at 85% of Metal's recommended working set makes it free cached buffers before the system
 starts to swap, and the same wired limit keeps the weights resident (as mlx_lm.generate's
-wired_limit does). Without Metal (Linux, CPU) there is nothing to set.
+wired_limit does; released when the rank exits). On a CUDA GPU the same 85% applies to the
+memory the GPU has free when the rank starts (MLX's device info, from NVML), as a memory limit
+(CUDA has no wired memory). On a CPU there is nothing to set: the host's RAM is the plan's
+(memory_gb) and the kernel's.
 """
 
 from __future__ import annotations
@@ -23,17 +26,38 @@ def metal_limits(device_info: dict) -> int | None:
     return int(recommended * MEMORY_FRACTION)
 
 
-def apply_metal_limits() -> int | None:
-    """Set the limits when Metal is here; returns the bytes set (None: nothing to do)."""
-    if not mx.metal.is_available():
+def cuda_limit(device_info: dict) -> int | None:
+    """Bytes for the memory limit on a CUDA GPU: 85% of what it has free (else of its total);
+    None when MLX's device info gives neither."""
+    free = device_info.get("free_memory") or device_info.get("total_memory")
+    if not free:
         return None
-    limit = metal_limits(mx.device_info())
-    if limit is None:
+    return int(free * MEMORY_FRACTION)
+
+
+def device_limit() -> tuple[str, int] | None:
+    """The limit this rank's device calls for: ("Metal", bytes), ("CUDA", bytes) or None."""
+    if mx.metal.is_available():
+        limit = metal_limits(mx.device_info())
+        return ("Metal", limit) if limit is not None else None
+    if mx.cuda.is_available():
+        limit = cuda_limit(mx.device_info())
+        return ("CUDA", limit) if limit is not None else None
+    return None
+
+
+def apply_memory_limits() -> tuple[str, int] | None:
+    """Set the device's limits (Metal: memory and wired; CUDA: memory); returns which and the
+    bytes set (None: a CPU, nothing to do)."""
+    found = device_limit()
+    if found is None:
         return None
-    previous = mx.set_wired_limit(limit)
+    kind, limit = found
+    if kind == "Metal":
+        previous = mx.set_wired_limit(limit)
+        atexit.register(mx.set_wired_limit, previous)
     mx.set_memory_limit(limit)
-    atexit.register(mx.set_wired_limit, previous)
-    return limit
+    return found
 
 
 def reapply_wired_limit() -> None:

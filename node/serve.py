@@ -427,16 +427,16 @@ class Scheduler:
 
 def cache_budget(gb: float | None, ranks_on_host: int) -> float:
     """Bytes this rank's kept caches may take: ``gb`` as asked, else half of the memory left
-    once the weights are loaded (Metal's limit on a Mac, the host's free memory shared by its
-    ranks elsewhere)."""
+    once the weights are loaded (the device's limit on a Mac or a CUDA GPU, the host's free
+    memory shared by its ranks on a CPU)."""
     import mlx.core as mx
 
-    from .memory import metal_limits
+    from .memory import device_limit
 
     if gb is not None:
         return gb * 1e9
-    if mx.metal.is_available() and (limit := metal_limits(mx.device_info())):
-        return max(0.0, (limit - mx.get_active_memory()) / 2)
+    if (limit := device_limit()) is not None:  # Metal's, or a CUDA GPU's
+        return max(0.0, (limit[1] - mx.get_active_memory()) / 2)
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

@@ -17,6 +17,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .dist import control_stream
+
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 CHUNK_BYTES = 16 * 1024 * 1024
 BLOB_KEY = "$blob"
@@ -87,7 +89,7 @@ def decode(data: bytes) -> Any:
 
 
 def _all_sum(x: mx.array, group: mx.distributed.Group) -> mx.array:
-    y = mx.distributed.all_sum(x, group=group, stream=mx.cpu)
+    y = mx.distributed.all_sum(x, group=group, stream=control_stream())
     mx.eval(y)
     return y
 

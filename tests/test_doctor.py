@@ -1,6 +1,7 @@
 """`mlx-cluster doctor` on loopback: a local host and a host reached over SSH."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -150,3 +151,45 @@ def test_a_linux_host_on_the_reference_blas_gets_a_note_not_a_failure():
     assert blas_cell(report.probe["blas"]) == "reference 4 GFLOP/s"
     assert blas_cell({"library": "/x.so", "gflops": 117.2}) == "openblas 117 GFLOP/s"
     assert blas_cell(None) == "-"
+
+
+FAKE_SMI = """#!/bin/sh
+# nvidia-smi as an H100 box answers (two GPUs), for doctor's GPU checks on a machine without one
+case "$*" in
+  *--query-gpu*) printf '0, NVIDIA H100 80GB HBM3, 81559, 80000, 580.159.04\\n'
+                 printf '1, NVIDIA H100 80GB HBM3, 81559, 81000, 580.159.04\\n' ;;
+  *) printf '| NVIDIA-SMI 580.159.04   Driver Version: 580.159.04   CUDA Version: 13.0 |\\n' ;;
+esac
+"""
+
+
+def test_gpus_a_hostfile_gives_must_be_there_and_mlx_on_them(tmp_path, monkeypatch):
+    """A host that says gpus (or runs nccl) is probed with nvidia-smi; MLX's CPU build there
+    is a failure that says how to install the CUDA one, a GPU index that is not there too;
+    the ranks' memory is their GPUs'. A ring host with GPUs it does not use gets a note."""
+    from cluster.core.hostfile import parse_hostfile
+    from cluster.rig.doctor import diagnose, gpu_cell, render
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    host = {"ssh": "localhost", "python": sys.executable}
+    hf = parse_hostfile({"backend": "nccl", "hosts": [dict(host, gpus=[0, 3])]}, "h.yaml")
+    (r,) = diagnose(hf)
+    gpu = r.probe["gpu"]
+    assert gpu["cuda_version"] == "13.0" and [d["index"] for d in gpu["devices"]] == [0, 1]
+    assert gpu["devices"][0]["name"] == "NVIDIA H100 80GB HBM3" and not gpu["mlx"]["cuda"]
+    problems = [p.message for p in r.problems if p.kind == "gpu"]
+    assert any("GPU(s) [3] from the hostfile are not here (nvidia-smi lists [0, 1])" in p
+               for p in problems), problems  # fmt: skip
+    assert any("MLX does not run on the GPU" in p and "mlx-cuda-13" in p for p in problems)
+    assert r._memory() == 81559 * 2**20  # GPU 0's: the one of the two that is there
+    assert gpu_cell(gpu) == "2x H100 80GB HBM3, not used by MLX"
+    assert "2x H100 80GB HBM3" in render([r]) and "FAIL" in render([r])
+
+    (ring,) = diagnose(parse_hostfile({"hosts": [host]}, "h.yaml"))
+    assert not [p for p in ring.problems if p.kind == "gpu"]
+    assert any("2 NVIDIA GPU(s) found" in n and "gpus:" in n for n in ring.notes), ring.notes
+    assert ring._memory() == ring.probe["memory_bytes"]  # the ranks use the CPU: RAM

@@ -138,12 +138,14 @@ def test_bad_host_field_is_named(tmp_path):
 def test_unknown_backend(tmp_path):
     p = invoke("launch", "--backend", "mpi", PROMPT)
     assert p.returncode == 2
-    assert "'mpi' is not one of 'ring', 'jaccl', 'jaccl-ring'" in p.stderr
+    assert "'mpi' is not one of 'ring', 'jaccl', 'jaccl-ring', 'nccl'" in p.stderr
     hf = tmp_path / "h.yaml"
-    hf.write_text("backend: nccl\nhosts: [localhost]\n")
+    hf.write_text("backend: mpi\nhosts: [localhost]\n")
     p = invoke("launch", "--hostfile", hf, PROMPT)
     assert p.returncode == 2
-    assert "field 'backend': unknown backend 'nccl'" in p.stderr
+    assert "field 'backend': unknown backend 'mpi'; use one of ring, jaccl, jaccl-ring, nccl" in (
+        p.stderr
+    )
 
 
 def test_jaccl_needs_one_rank_per_host_and_rdma(tmp_path):

@@ -3,8 +3,9 @@ measures (node.links), without ranks."""
 
 from __future__ import annotations
 
+from cluster.core.links import link_problems
 from cluster.core.protocol import LinkReport
-from cluster.rig.doctor import link_problems, render_links
+from cluster.rig.doctor import render_links
 
 LABELS = ["mac0", "mac1", "mac2"]
 

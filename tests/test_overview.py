@@ -12,7 +12,7 @@ from test_apiserver import StandIn
 from test_serving import request, service, start_job, wait_sent
 
 from cluster.commands.status import render
-from cluster.core.protocol import Memory, Ready, Stats
+from cluster.core.protocol import LinkReport, Memory, Ready, Stats
 from cluster.job.state import on_event
 from cluster.serve.http import PAGE_FILES, Api
 from cluster.serve.overview import BUCKET_S, WINDOW_S, percentiles, rates
@@ -47,6 +47,38 @@ def test_the_overview_has_every_host_rank_request_and_figure():
     text = render(c)
     assert text.splitlines()[0] == "m: ok, pipeline mode, 2 of 2 ranks up, 0 restart(s)"
     assert "layers 3-5" in text and "layers 0-2" in text and "2.50 GB" in text
+
+
+def test_the_links_the_ranks_measured_show_with_the_slow_one_marked():
+    """Rank 0's LinkReport (serve --measure-links) names each link by its ranks' hosts; a link
+    doctor would name is marked slow, with doctor's words; a restart forgets the old ranks'."""
+    svc, sent = service()
+    start_job(svc, sent)
+    assert svc.cluster()["links"] is None  # not measured yet
+    row = {"rtt_4b_us": 60.0, "rtt_4b_max_us": 90.0, "rtt_8kb_us": 80.0, "rtt_8kb_max_us": 120.0,
+           "bad_words": 0.0}  # fmt: skip
+    fast, slow = {"a": 0, "b": 1, **row, "gbps": 40.0}, {"a": 1, "b": 0, **row, "gbps": 4.0}
+    svc.on_event(0, LinkReport([fast, slow], 70.0, 95.0, 0.0))
+    links = svc.cluster()["links"]
+    assert [(x["hosts"], x["slow"], x["exact"]) for x in links["links"]] == [
+        (["a.local", "b.local"], False, True), (["b.local", "a.local"], True, True)]  # fmt: skip
+    (problem,) = links["problems"]
+    assert "rank 1 (b.local) - rank 0 (a.local): 4.00 Gbit/s, under a third" in problem
+    assert links["allsum_4b_us"] == 70.0 and links["allsum_exact"]
+    text = render(svc.cluster())
+    assert "a.local - b.local" in text and "40.00 Gbit/s  yes\n" in text
+    assert "4.00 Gbit/s  yes  SLOW" in text and problem in text
+    svc.job_ended(None)
+    assert svc.cluster()["links"] is None
+
+
+def test_every_rank_gets_the_choice_to_measure_links():
+    """--no-measure-links reaches every rank (the serve settings reach rank 0 only): a rank
+    that measured alone would wait for its peers forever."""
+    from cluster.core.spec import JobSpec
+
+    spec = JobSpec(model="m", command="serve", world_size=2, measure_links=False)
+    assert not spec.for_rank(1).measure_links and not spec.for_rank(0).measure_links
 
 
 def test_rates_count_each_answer_in_the_bucket_it_ended_in():

@@ -86,6 +86,10 @@ def test_the_page_shows_the_ranks_chats_and_a_restart(browser, served):
     wait(browser, lambda d: rank_phases(d) == {"0": "ready", "1": "ready"})
     assert browser.find_element(By.ID, "status").text == "ok"
     assert "2 of 2 ranks up" in browser.find_element(By.ID, "summary").text
+    link = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#links tr[data-link='0-1']"))
+    cells = [td.text for td in link.find_elements(By.TAG_NAME, "td")]
+    assert cells[1] == "localhost – localhost" and "Gbit/s" in cells[4] and cells[5] == "yes"
+    assert "all_sum over 2 ranks" in browser.find_element(By.ID, "allsum").text
     assert ask(served.client).choices[0].message.content == chat_reference(served.model, 16)
 
     box = browser.find_element(By.ID, "prompt")
@@ -105,6 +109,7 @@ def test_the_page_shows_the_ranks_chats_and_a_restart(browser, served):
     wait(browser, lambda d: d.find_element(By.ID, "status").text == "ok", timeout=90)
     failures = browser.find_element(By.ID, "failures").text
     assert "rank" in failures and "back after" in failures, failures
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#links tr[data-link='0-1']"))
     shot(browser, "page-after-restart")
 
 

@@ -501,6 +501,9 @@ def test_status_and_the_page_show_the_running_server(server):
     assert [(r[0], r[1], r[2]) for r in ranks] == [("0", "localhost", "ready"),
                                                    ("1", "localhost", "ready")]  # fmt: skip
     assert all("layers" in x for x in lines if x.strip()[:1].isdigit())
+    (link,) = [x.split() for x in lines if x.startswith("link 0-1")]  # measured at start-up
+    assert link[2:5] == ["localhost", "-", "localhost"] and float(link[7]) > 0, p.stdout
+    assert link[9] == "yes" and any(x.startswith("all_sum: ") for x in lines), p.stdout
     p = invoke("status", "--url", f"http://127.0.0.1:{server.port}", "--json")
     assert json.loads(p.stdout)["answered"] >= 1
     with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/", timeout=10) as r:

@@ -8,9 +8,10 @@ import sys
 import click
 
 from cluster.commands.options import HOST, resolve_hostfile, run_or_exit, with_options
+from cluster.core.links import link_problems
 from cluster.core.modelcheck import ModelError
 from cluster.core.spec import JobSpec, LaunchSettings, to_dict
-from cluster.rig.doctor import diagnose, link_problems, render, render_links
+from cluster.rig.doctor import diagnose, render, render_links
 
 
 @click.command()

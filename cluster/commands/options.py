@@ -136,7 +136,8 @@ HOST = {
         "--backend",
         type=click.Choice(BACKENDS),
         default=None,
-        help="Collective backend; default: the hostfile's, else ring.",
+        help="Collective backend; default: the hostfile's, else ring. nccl: NVIDIA GPUs, one "
+        "rank per GPU, tensor mode only.",
     ),
     "accept_new_host_keys": click.option(
         "--accept-new-host-keys",
@@ -372,6 +373,14 @@ SERVE = {  # ServeSettings
         default=default(ServeSettings, "prompt_concurrency"),
         show_default=True,
         help="Most prompts prefilled together.",
+    ),
+    "measure_links": click.option(
+        "--measure-links/--no-measure-links",
+        default=default(JobSpec, "measure_links"),
+        show_default=True,
+        help="As the ranks start (and restart), measure each link they use as `doctor --links` "
+        "does (round trip, bandwidth, all_sum; about a second per link, before the model loads) "
+        "and show it on the page and in `status`, the slow link named.",
     ),
     "max_stall": click.option(
         "--max-stall",

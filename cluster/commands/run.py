@@ -176,6 +176,7 @@ def chat(prompt_cache_gb, **values):
     "decode_concurrency",
     "prompt_concurrency",
     "max_stall",
+    "measure_links",
     "prompt_cache_size",
     "serve_cache_gb",
     "max_tokens_cap",
@@ -228,7 +229,7 @@ def serve(**values):
     from cluster.serve.service import serve_until_done
 
     hf, settings = hosts_and_launch(values)
-    spec = job_spec("serve", values)
+    spec = job_spec("serve", values, measure_links=values.pop("measure_links"))
     if spec.kv_quant.kv_bits is not None:
         raise click.UsageError(
             "--kv-bits: serve decodes its requests as one batch (mlx-lm's BatchGenerator), "

@@ -27,6 +27,26 @@ def seconds(x: float | None) -> str:
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
 
 
+def micros(x: float) -> str:
+    return f"{x:.0f} us" if x < 1000 else f"{x / 1000:.1f} ms"
+
+
+def links_lines(links: dict | None) -> list[str]:
+    """The links the ranks measured as they started, the slow ones marked, and what is wrong."""
+    if not links:
+        return []
+    lines = ["", f"{'link':<9}  {'hosts':<32} {'round trip':>10} {'bandwidth':>13}  exact"]
+    for x in links["links"]:
+        hosts = f"{x['hosts'][0]} - {x['hosts'][1]}"
+        name = f"link {x['a']}-{x['b']}"
+        lines.append(f"{name:<9}  {hosts:<32} {micros(x['rtt_us']):>10} "
+                     f"{x['gbps']:>8.2f} Gbit/s  {'yes' if x['exact'] else 'NO'}"
+                     f"{'  SLOW' if x['slow'] else ''}")  # fmt: skip
+    lines.append(f"all_sum: {micros(links['allsum_4b_us'])} at 4 B, "
+                 f"{micros(links['allsum_8kb_us'])} at 8 KB")  # fmt: skip
+    return lines + links["problems"]
+
+
 def render(c: dict) -> str:
     """The overview as lines of text (the page's figures, in the same order)."""
     lines = [
@@ -53,6 +73,7 @@ def render(c: dict) -> str:
             peak = "-" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f} GB"
             lines.append(f"{r['rank']:>4}  {host['name']:<20} {r['phase']:<12} "
                          f"{seconds(r['heartbeat_age_s']):>9} {peak:>9}  {holds}")  # fmt: skip
+    lines += links_lines(c.get("links"))
     for p in c["prefilling"]:
         lines.append(f"prefilling {p['id'][:8]}: {p['done']} of {p['total']} tokens")
     for f in c["failures"]:

@@ -15,10 +15,10 @@ from typing import Any
 
 import yaml
 
-BACKENDS = ("ring", "jaccl", "jaccl-ring")
+BACKENDS = ("ring", "jaccl", "jaccl-ring", "nccl")
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 TOP_KEYS = ("backend", "python", "model_dir", "env", "ssh", "hosts")
-HOST_KEYS = ("ssh", "ips", "rdma", "slots", "memory_gb", "python", "cwd", "model_dir")
+HOST_KEYS = ("ssh", "ips", "rdma", "slots", "gpus", "memory_gb", "python", "cwd", "model_dir")
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts")
 
 
@@ -44,6 +44,7 @@ class Host:
     ips: list[str] = field(default_factory=list)
     rdma: list[Any] = field(default_factory=list)
     slots: int = 1
+    gpus: list[int] | None = None  # the CUDA devices of its ranks, one each (slots = len(gpus))
     memory_gb: float | None = None
     python: str | None = None
     cwd: str | None = None
@@ -236,6 +237,14 @@ def _host(index: int, raw: Any, where: str) -> Host:
     slots = raw.get("slots", 1)
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
         raise fail(f"field 'slots' must be a whole number >= 1, got {slots!r}")
+    gpus = _gpus(raw.get("gpus"), fail)
+    if gpus is not None:
+        if "slots" in raw and slots != len(gpus):
+            raise fail(
+                f"fields 'slots' ({slots}) and 'gpus' ({len(gpus)} GPUs) disagree: a host with "
+                "gpus runs one rank per GPU; give gpus alone"
+            )
+        slots = len(gpus)
     memory_gb = raw.get("memory_gb")
     if memory_gb is not None and (not isinstance(memory_gb, (int, float)) or memory_gb <= 0):
         raise fail(f"field 'memory_gb' must be a positive number, got {memory_gb!r}")
@@ -252,11 +261,31 @@ def _host(index: int, raw: Any, where: str) -> Host:
         ips=list(ips),
         rdma=rdma,
         slots=slots,
+        gpus=gpus,
         memory_gb=memory_gb,
         python=_opt_str(raw.get("python"), "python", fail),
         cwd=_opt_str(raw.get("cwd"), "cwd", fail),
         model_dir=_opt_str(raw.get("model_dir"), "model_dir", fail),
     )
+
+
+def _gpus(raw: Any, fail) -> list[int] | None:
+    """``gpus: N`` (GPUs 0 to N-1) or ``gpus: [0, 2]`` (those devices): one rank on each."""
+    if raw is None:
+        return None
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        if raw < 1:
+            raise fail(f"field 'gpus' must be at least 1 (or a list of GPU indices), got {raw}")
+        return list(range(raw))
+    ok = isinstance(raw, list) and raw and all(
+        isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in raw
+    )  # fmt: skip
+    if not ok or len(set(raw)) != len(raw):
+        raise fail(
+            "field 'gpus' must be a number of GPUs or a list of distinct GPU indices "
+            f"(as nvidia-smi numbers them), got {raw!r}"
+        )
+    return list(raw)
 
 
 def _check_rdma(hostfile: Hostfile, where: str) -> None:
@@ -317,7 +346,9 @@ def hostfile_data(hostfile: Hostfile) -> dict[str, Any]:
             entry["ips"] = list(h.ips)
         if h.rdma:
             entry["rdma"] = list(h.rdma)
-        if h.slots != 1:
+        if h.gpus is not None:
+            entry["gpus"] = list(h.gpus)
+        elif h.slots != 1:
             entry["slots"] = h.slots
         for key in ("memory_gb", "python", "cwd", "model_dir"):
             if getattr(h, key) is not None:
@@ -350,6 +381,11 @@ def mlx_launch_json(hostfile: Hostfile) -> tuple[dict[str, Any], list[str]]:
             dropped.append(
                 f"{h.label}: port {h.port} (mlx.launch runs `ssh {ssh}`; put it in "
                 f"~/.ssh/config: Host {h.hostname} / Port {h.port})"
+            )
+        if h.gpus is not None and h.gpus != [0]:
+            dropped.append(
+                f"{h.label}: gpus {h.gpus} (mlx.launch gives each rank of a hostfile "
+                "CUDA_VISIBLE_DEVICES=0; use `mlx.launch --hosts IP -n N` for N GPUs of one host)"
             )
         for _ in range(h.slots):  # mlx.launch: one entry per rank
             hosts.append({"ssh": ssh, "ips": list(h.ips), "rdma": list(h.rdma)})

@@ -163,7 +163,8 @@ class JobSpec:
     blas: str = "auto"  # Linux ranks: "auto" preloads an optimized BLAS when found, "reference"
     ranks_on_host: int = 1  # ranks sharing this rank's host (BLAS threads = cores / this)
     launcher_timeout: float = 30.0  # the rank ends itself when the launcher is silent this long
-    hostfile_backend: str = "ring"  # ring, jaccl, jaccl-ring (links: which pairs it joins)
+    hostfile_backend: str = "ring"  # ring, jaccl, jaccl-ring, nccl (links: which pairs it joins)
+    measure_links: bool = True  # serve: every rank measures its links (doctor --links) at start
 
     def to_json(self) -> str:
         return json.dumps(to_dict(self))

@@ -179,6 +179,44 @@ def jaccl_env(hostfile: Hostfile, starting_port: int | None = None) -> list[Rank
     ]
 
 
+NCCL_PORT = 12345  # mlx.launch's --nccl-port default
+
+
+def rank_gpus(hostfile: Hostfile) -> list[int | None]:
+    """Each rank's CUDA device: the i-th of its host's ``gpus`` for the host's i-th rank; None
+    where the host lists none."""
+    return [None if h.gpus is None else h.gpus[i] for h in hostfile.hosts for i in range(h.slots)]
+
+
+def nccl_env(hostfile: Hostfile, starting_port: int | None = None) -> list[RankEnv]:
+    """NCCL over the hosts' GPUs, one rank per GPU, as mlx.launch --backend nccl sets it:
+    NCCL_HOST_IP (rank 0's first ip: rank 0 hands out NCCL's id there), NCCL_PORT,
+    MLX_WORLD_SIZE, MLX_RANK and CUDA_VISIBLE_DEVICES."""
+    where = hostfile.path or "<hostfile>"
+    first = hostfile.hosts[0]
+    if hostfile.world_size > 1 and not first.ips:
+        raise HostfileError(
+            f"{where}: {first.label}: field 'ips' is required for rank 0 by nccl (the "
+            "address the other ranks fetch NCCL's id from)"
+        )
+    port = starting_port
+    if port is None:  # a job on this machine takes a free port; elsewhere mlx.launch's
+        port = free_port_run("127.0.0.1", 1) if first.is_local else NCCL_PORT
+    common = {
+        "NCCL_HOST_IP": first.ips[0] if first.ips else "127.0.0.1",
+        "NCCL_PORT": str(port),
+        "MLX_WORLD_SIZE": str(hostfile.world_size),
+    }
+    ranks, gpus = hostfile.rank_hosts(), rank_gpus(hostfile)
+    out = []
+    for rank, host in enumerate(ranks):
+        # no gpus listed: the host's i-th rank on GPU i, as mlx.launch -n N does (rank % N)
+        gpu = gpus[rank] if gpus[rank] is not None else sum(h is host for h in ranks[:rank])
+        env = dict(common, MLX_RANK=str(rank), CUDA_VISIBLE_DEVICES=str(gpu))
+        out.append(RankEnv(rank, host, env))
+    return out
+
+
 def rank_envs(
     hostfile: Hostfile,
     starting_port: int | None = None,
@@ -186,6 +224,12 @@ def rank_envs(
     verbose: bool = False,
 ) -> list[RankEnv]:
     """Environment and files for every rank, for the hostfile's backend."""
+    if hostfile.backend == "nccl":
+        return nccl_env(hostfile, starting_port)
     if hostfile.backend == "ring":
-        return ring_env(hostfile, starting_port, connections_per_ip, verbose)
+        envs = ring_env(hostfile, starting_port, connections_per_ip, verbose)
+        for env, gpu in zip(envs, rank_gpus(hostfile), strict=True):
+            if gpu is not None:  # a CUDA host in a ring: each of its ranks on its own GPU
+                env.env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        return envs
     return jaccl_env(hostfile, starting_port)

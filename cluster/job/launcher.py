@@ -94,12 +94,24 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+NCCL_PIPELINE = (
+    "pipeline mode cannot run over the nccl backend: its stages hand activations from rank to "
+    "rank with send/recv, which MLX's nccl backend does not carry in the CUDA build this "
+    "project was measured with (MLX 0.32.4), and MLX cannot split an nccl group (so stages "
+    "over ring between hosts with tensor mode over nccl inside each is not possible either). "
+    "Use --mode tensor with nccl, or backend: ring for pipeline mode (ring runs on CUDA hosts "
+    "too, one rank per GPU with gpus:)"
+)
+
+
 def preflight(hostfile: Hostfile, spec: JobSpec) -> list[str]:
     """Checks that need no rank: the model's config (when it is here). Returns what to tell
     the user about the split (pipeline layers, tensor heads, replicated KV heads)."""
     n = hostfile.world_size
     if spec.command == "links":  # no model
         return []
+    if hostfile.backend == "nccl" and spec.mode == "pipeline" and n > 1:
+        raise ModelError(NCCL_PIPELINE)
     if spec.split and n < 2:
         raise ModelError("--split is for 2 or more ranks")
     path = Path(spec.model).expanduser()

@@ -304,6 +304,7 @@ def ready_line(event: Ready) -> str:
 PHASE_WORDS = {
     "starting": "while starting",
     "init": "while joining the distributed group",
+    "links": "while measuring the links",
     "loading": "while loading the model",
     "ready": "after loading, before generating",
     "generating": "while generating",
@@ -311,6 +312,7 @@ PHASE_WORDS = {
 HINTS = {
     "init": "check that the ranks can reach each other on the hostfile's ips and ports "
     "(firewall, cable, --starting-port); run with --verbose to see MLX's ring log",
+    "links": "run `mlx-cluster doctor --links` with this hostfile: it names a bad link",
     "loading": "check the model files on {host}: a truncated or missing file means an "
     "incomplete copy or download; copy the model again",
 }

@@ -18,6 +18,7 @@ from typing import Any
 
 from cluster.core.blas import INSTALL_HINT, OPENBLAS_PATHS
 from cluster.core.hostfile import Host, Hostfile
+from cluster.core.links import link_problems
 from cluster.core.modelcheck import looks_like_repo
 from cluster.core.protocol import LinkReport
 from cluster.job.backends import rank_envs, ring_ports
@@ -75,6 +76,43 @@ if sys.platform == "linux":  # the BLAS the ranks will use (cluster.core.blas), 
     except (subprocess.TimeoutExpired, ValueError):
         gflops = None
     out["blas"] = {"library": lib, "gflops": gflops}
+if sys.platform == "linux" and shutil.which("nvidia-smi"):  # NVIDIA GPUs, and MLX on them
+    gpu = {"devices": [], "cuda_version": None, "mlx": None}
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,memory.free,"
+                            "driver_version", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=30)
+        for line in q.stdout.strip().splitlines():
+            i, name, total, free, driver = [x.strip() for x in line.split(",")]
+            gpu["devices"].append({"index": int(i), "name": name, "memory_mib": float(total),
+                                   "free_mib": float(free), "driver": driver})
+        head = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+        if "CUDA Version:" in head:
+            gpu["cuda_version"] = head.split("CUDA Version:")[1].split()[0]
+    except (subprocess.TimeoutExpired, OSError, ValueError) as e:
+        gpu["error"] = str(e)
+    bench = ("import json, time, mlx.core as mx\n"
+             "out = {'cuda': mx.cuda.is_available(), 'device': str(mx.default_device())}\n"
+             "if out['cuda']:\n"
+             "    a = mx.random.normal((8192, 8192)).astype(mx.bfloat16); b = a.T\n"
+             "    mx.eval(a @ b); mx.synchronize(); t = time.perf_counter()\n"
+             "    for _ in range(10): mx.eval(a @ b)\n"
+             "    out['tflops'] = 2 * 8192**3 * 10 / (time.perf_counter() - t) / 1e12\n"
+             "    x = mx.zeros((2**28,), dtype=mx.float32); mx.eval(x + 1)\n"
+             "    t = time.perf_counter()\n"
+             "    for _ in range(10): mx.eval(x + 1)\n"
+             "    out['gbps'] = 2 * 4 * 2**28 * 10 / (time.perf_counter() - t) / 1e9\n"
+             "print(json.dumps(out))\n")
+    env = dict(os.environ)
+    if args["gpus"]:
+        env["CUDA_VISIBLE_DEVICES"] = str(args["gpus"][0])  # the first rank's GPU
+    try:
+        p = subprocess.run([sys.executable, "-c", bench], env=env, capture_output=True,
+                           text=True, timeout=120)
+        gpu["mlx"] = json.loads(p.stdout) if p.returncode == 0 else {"error": p.stderr[-300:]}
+    except (subprocess.TimeoutExpired, ValueError) as e:
+        gpu["mlx"] = {"error": str(e)}
+    out["gpu"] = gpu
 if args["rdma"]:
     exe = shutil.which("ibv_devices")
     if exe is None:
@@ -90,7 +128,7 @@ print(json.dumps(out))
 class Problem:
     """What keeps a host from running a job; ``kind`` says which check found it."""
 
-    kind: str  # ssh, python, package, versions, ports, jaccl, memory
+    kind: str  # ssh, python, package, versions, ports, jaccl, gpu, memory
     message: str
 
 
@@ -101,6 +139,7 @@ class HostReport:
     ssh: str = "local"
     probe: dict[str, Any] | None = None
     share_bytes: int | None = None
+    ranks_gpus: list[int] = field(default_factory=list)  # the CUDA devices its ranks use
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # worth knowing; does not fail the host
 
@@ -127,14 +166,21 @@ class HostReport:
             "busy_ports": p.get("busy_ports"),
             "ibv_devices": p.get("ibv_devices"),
             "blas": p.get("blas"),
+            "gpu": p.get("gpu"),
             "ok": self.ok,
             "problems": [x.message for x in self.problems],
             "notes": self.notes,
         }
 
     def _memory(self) -> int | None:
+        """What the host's ranks can hold: the hostfile's memory_gb; else the memory of the
+        GPUs they use, when they use GPUs (ranks_gpus); else the host's RAM."""
         if self.host.memory_gb:
             return int(self.host.memory_gb * 1e9)
+        devices = ((self.probe or {}).get("gpu") or {}).get("devices") or []
+        used = [d for d in devices if d["index"] in self.ranks_gpus]
+        if used:
+            return int(sum(d["memory_mib"] for d in used) * 2**20)
         return (self.probe or {}).get("memory_bytes")
 
 
@@ -143,11 +189,19 @@ def probe_args(hostfile: Hostfile, host: Host, ports: list[tuple[str, int]]) -> 
         {
             "packages": PACKAGES,
             "ports": ports,
-            "rdma": bool(host.rdma) or hostfile.backend != "ring",
+            "rdma": bool(host.rdma) or hostfile.backend.startswith("jaccl"),
             "blas_paths": OPENBLAS_PATHS,
             "ranks": host.slots,
+            "gpus": gpus_of(hostfile, host),
         }
     )
+
+
+def gpus_of(hostfile: Hostfile, host: Host) -> list[int]:
+    """The CUDA devices the host's ranks will use ([] when they use none they were given)."""
+    if host.gpus is not None:
+        return list(host.gpus)
+    return list(range(host.slots)) if hostfile.backend == "nccl" else []
 
 
 def run_probe(hostfile: Hostfile, host: Host, ports, accept_new: bool) -> HostReport:
@@ -215,6 +269,7 @@ def diagnose(
     rank = 0
     for report in reports:
         report.ranks = list(range(rank, rank + report.host.slots))
+        report.ranks_gpus = gpus_of(hostfile, report.host)
         rank += report.host.slots
 
     probed = [r for r in reports if r.probe]
@@ -230,9 +285,10 @@ def diagnose(
     for r in probed:
         for busy in r.probe.get("busy_ports") or []:
             r.problem("ports", f"ring port {busy} is in use; pass another --starting-port")
-        if hostfile.backend != "ring":
+        if hostfile.backend.startswith("jaccl"):
             _check_jaccl(r)
         _check_blas(r)
+        _check_gpus(r, gpus_of(hostfile, r.host), hostfile.backend)
 
     if model and not looks_like_repo(model) and Path(model).expanduser().exists():
         shares = model_shares(model, mode, hostfile, split)
@@ -257,6 +313,51 @@ def _check_blas(r: HostReport) -> None:
             f"the ranks would use the reference BLAS bundled with mlx[cpu] ({blas_cell(blas)}), "
             f"about 25x slower than OpenBLAS; {INSTALL_HINT}"
         )
+
+
+def _check_gpus(r: HostReport, wanted: list[int], backend: str) -> None:
+    """The GPUs the hostfile gives a host's ranks are there, and MLX runs on them (its CUDA
+    build); a host with GPUs that the hostfile does not use gets a note."""
+    gpu = r.probe.get("gpu")
+    mlx = (gpu or {}).get("mlx") or {}
+    if not wanted:
+        if gpu and gpu["devices"] and backend == "ring":
+            where = "its ranks run on MLX's default device" if mlx.get("cuda") else (
+                "MLX here is its CPU build, so its ranks run on the CPU")  # fmt: skip
+            r.notes.append(
+                f"{len(gpu['devices'])} NVIDIA GPU(s) found; {where}; give the host `gpus:` "
+                "in the hostfile to put one rank on each"
+            )
+        return
+    if gpu is None or not gpu["devices"]:
+        r.problem("gpu", f"the hostfile gives its ranks GPUs {wanted}, but nvidia-smi finds no "
+                  "NVIDIA GPU here (is the driver installed?)")  # fmt: skip
+        return
+    have = {d["index"] for d in gpu["devices"]}
+    missing = [g for g in wanted if g not in have]
+    if missing:
+        r.problem("gpu", f"GPU(s) {missing} from the hostfile are not here (nvidia-smi lists "
+                  f"{sorted(have)})")  # fmt: skip
+    if not mlx.get("cuda"):
+        why = mlx.get("error", "").strip().splitlines()[-1:] or ["MLX here is its CPU build"]
+        r.problem("gpu", f"MLX does not run on the GPU ({why[0]}): install the CUDA build with "
+                  "`mlx-cluster install` (it puts mlx-cluster[cuda] on GPU hosts), or pip "
+                  "install 'mlx-cluster[cuda]' and then pip install --no-deps "
+                  "--force-reinstall mlx-cuda-13==<mlx's version>")  # fmt: skip
+
+
+def gpu_cell(gpu: dict | None) -> str:
+    """A Linux host's GPUs and what MLX measured on the first one its ranks use; '-' without."""
+    if not gpu or not gpu.get("devices"):
+        return "-"
+    names = {d["name"].removeprefix("NVIDIA ") for d in gpu["devices"]}
+    cell = f"{len(gpu['devices'])}x {', '.join(sorted(names))}"
+    mlx = gpu.get("mlx") or {}
+    if mlx.get("tflops"):
+        cell += f", {mlx['tflops']:.0f} TFLOP/s bf16, {mlx['gbps']:.0f} GB/s"
+    elif not mlx.get("cuda"):
+        cell += ", not used by MLX"
+    return cell
 
 
 def blas_cell(blas: dict | None) -> str:
@@ -314,6 +415,7 @@ def render(reports: list[HostReport]) -> str:
         "PYTHON",
         *(p.upper() for p in PACKAGES),
         "BLAS",
+        "GPU",
         "MEMORY",
         "MODEL SHARE",
         "STATUS",
@@ -331,6 +433,7 @@ def render(reports: list[HostReport]) -> str:
                 p.get("python_version") or "-",
                 *versions,
                 blas_cell(p.get("blas")),
+                gpu_cell(p.get("gpu")),
                 f"{memory / 1e9:.1f} GB" if memory else "-",
                 f"{r.share_bytes / 1e9:.2f} GB" if r.share_bytes is not None else "-",
                 "ok" if r.ok else "FAIL",
@@ -350,54 +453,6 @@ def table(rows: list[list[str]]) -> list[str]:
     return [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
-
-
-# doctor --links: what makes a link worth naming (node/links.py measures)
-SLOW_FACTOR = 3.0  # round trip this many times the best link's (and 100 us more), or bandwidth
-LOSSY_FACTOR, LOSSY_MIN_US = 20.0, 50_000.0  # a worst round trip this far over the median:
-# TCP's retransmission timeouts (at least 200 ms on Linux) show a link that drops packets
-
-
-def link_problems(report: LinkReport, labels: list[str]) -> list[str]:
-    """A corrupting, lossy or slow link named by its two ranks and hosts, with what to do."""
-    problems = []
-    links = report.links
-    best_rtt = min((x["rtt_4b_us"] for x in links), default=0.0)
-    best_gbps = max((x["gbps"] for x in links), default=0.0)
-    for x in links:
-        name = f"link rank {x['a']} ({labels[x['a']]}) - rank {x['b']} ({labels[x['b']]})"
-        if x["bad_words"]:
-            problems.append(
-                f"{name}: {x['bad_words']:.0f} words of a 64 MB pattern arrived changed: the "
-                "link corrupts data; reseat or replace the cable, and update macOS (JACCL had "
-                "such bugs, ml-explore/mlx#3152)"
-            )
-        worst = max(x["rtt_4b_max_us"], x["rtt_8kb_max_us"])
-        if worst > LOSSY_FACTOR * x["rtt_8kb_us"] and worst > LOSSY_MIN_US:
-            problems.append(
-                f"{name}: a round trip took {worst / 1000:.0f} ms against a median of "
-                f"{x['rtt_8kb_us'] / 1000:.2f} ms: the link drops packets (retransmissions); "
-                "check the cable, or move the job off a Wi-Fi or shared link"
-            )
-        if len(links) > 1 and (
-            x["rtt_4b_us"] > SLOW_FACTOR * best_rtt and x["rtt_4b_us"] - best_rtt > 100
-        ):
-            problems.append(
-                f"{name}: round trip {x['rtt_4b_us']:.0f} us, {x['rtt_4b_us'] / best_rtt:.1f}x "
-                "the best link's: every collective waits for it; check that its ips are the "
-                "Thunderbolt addresses, not the LAN"
-            )
-        elif len(links) > 1 and x["gbps"] * SLOW_FACTOR < best_gbps:
-            problems.append(
-                f"{name}: {x['gbps']:.2f} Gbit/s, under a third of the best link's "
-                f"{best_gbps:.2f}: prefill and loading wait for it; check the cable and port"
-            )
-    if report.allsum_bad_words:
-        problems.append(
-            f"all_sum over every rank returned {report.allsum_bad_words:.0f} wrong words: the "
-            "backend corrupts sums; update MLX and macOS on every host"
-        )
-    return problems
 
 
 def render_links(report: LinkReport, labels: list[str]) -> str:

@@ -5,6 +5,11 @@ does not exist yet and looks like a venv's (``.../bin/python``), the venv is mad
 mlx-lm are pinned to the versions installed here, so that doctor finds the same everywhere; the
 hosts fetch the dependencies from their own package index, or, with ``index_via_here``, from
 the index through this machine (``indexproxy``: for hosts with no internet).
+
+A Linux host with an NVIDIA GPU (the hostfile gives it ``gpus``, the backend is nccl, or
+``nvidia-smi -L`` answers there) gets ``mlx-cluster[cuda]``: MLX's CUDA build beside the CPU
+one that every Linux install has. Both ship the same library file (mlx/lib/libmlx.so), so the
+CUDA build is installed once more, alone, last: its file is the one left.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from cluster.job.process import rank_python
 from cluster.rig.indexproxy import IndexTunnels, forward_index
 
 PINNED = ("mlx", "mlx-lm")
+CUDA_BUILD = "mlx-cuda-13"  # what mlx[cuda13] pulls (mlx-cluster[cuda]): CUDA 13, driver 580+
 VENV_PYTHON = re.compile(r"^(?P<venv>.+)/bin/python[0-9.]*$")
 
 
@@ -36,6 +42,7 @@ class HostInstall:
     host: Host
     python: str
     action: str = ""  # installed, created venv and installed, skipped
+    cuda: bool = False  # installed with MLX's CUDA build
     error: str | None = None
     tunnels: IndexTunnels | None = None  # with index_via_here: what the host's pip opened
 
@@ -87,9 +94,11 @@ def steps(
     system_site: bool,
     make_venv: bool,
     proxy_port: int | None = None,
+    cuda: bool = False,
 ) -> list[str]:
-    """The shell commands that install ``wheel`` for ``python`` on a host; its pip goes
-    through ``proxy_port`` on the host's 127.0.0.1 when given."""
+    """The shell commands that install ``wheel`` for ``python`` on a host (with ``cuda``:
+    MLX's CUDA build too); its pip goes through ``proxy_port`` on the host's 127.0.0.1 when
+    given."""
     q = shlex.quote
     commands = []
     if make_venv:
@@ -101,10 +110,21 @@ def steps(
     pip = f"{q(python)} -m pip install -q --disable-pip-version-check --no-compile"
     if proxy_port is not None:
         pip += f" --proxy http://127.0.0.1:{proxy_port}"
-    commands.append(f"{pip} {q(wheel)} {' '.join(q(p) for p in pins())}")
+    target = f"{wheel}[cuda]" if cuda else wheel
+    commands.append(f"{pip} {q(target)} {' '.join(q(p) for p in pins())}")
     # the same version number with other code: our package alone, again, from this wheel
     commands.append(f"{pip} --no-deps --force-reinstall {q(wheel)}")
+    if cuda:  # mlx-cpu and mlx-cuda-13 both write mlx/lib/libmlx.so: the CUDA one last
+        mlx = next((p for p in pins() if p.startswith("mlx==")), None)
+        version = mlx.removeprefix("mlx==") if mlx else None
+        cuda_build = f"{CUDA_BUILD}=={version}" if version else CUDA_BUILD
+        commands.append(f"{pip} --no-deps --force-reinstall {q(cuda_build)}")
     return commands
+
+
+def wants_cuda(hostfile: Hostfile, host: Host) -> bool:
+    """The hostfile puts ranks on the host's GPUs (gpus, or the nccl backend)."""
+    return host.gpus is not None or hostfile.backend == "nccl"
 
 
 def install_host(
@@ -138,11 +158,18 @@ def install_host(
                 result.tunnels = IndexTunnels()
                 port = forward_index(shell.client.get_transport(), result.tunnels)
             where = f"{wheels}/{wheel.name}"
-            for command in steps(python, where, base, system_site, make_venv, port):
+            result.cuda = wants_cuda(hostfile, host) or (
+                shell.run("uname -s")[1].strip() == "Linux"
+                and shell.run("nvidia-smi -L")[0] == 0
+            )  # fmt: skip
+            commands = steps(python, where, base, system_site, make_venv, port, result.cuda)
+            for command in commands:
                 status, _, err = shell.run(command, timeout=1800)
                 if status != 0:
                     raise InstallError(f"`{command}` failed: {tail(err)}{_refusals(result)}")
         result.action = "created venv, installed" if make_venv else "installed"
+        if result.cuda:
+            result.action += " with MLX's CUDA build"
     except SSHError as e:
         result.error = str(e).removeprefix(f"{host.label}: ")
     except InstallError as e:

@@ -14,6 +14,8 @@ import statistics
 import time
 from typing import Any
 
+from cluster.core.links import problems_by_link
+
 WINDOW_S = 300  # the figures' last minutes
 BUCKET_S = 10
 
@@ -51,12 +53,44 @@ def overview(service, now: float) -> dict[str, Any]:
             )
         },  # fmt: skip
         "hosts": hosts,
+        "links": links_of(service.links),
         "failures": [dataclasses.asdict(f) for f in service.failures],
         "window_s": WINDOW_S,
         "rates": rates(answers, now),
         "ttft_s": percentiles([a.ttft_s for a in answers if a.ttft_s is not None]),
         "answered": len(answers),
         "time": now,
+    }
+
+
+def links_of(measured) -> dict[str, Any] | None:
+    """Each link the ranks use (doctor --links' figures), with the problems doctor would name;
+    ``slow`` marks the links a problem names. None until the ranks have measured them."""
+    if measured is None:
+        return None
+    r = measured.report
+    problems = problems_by_link(r, measured.hosts)
+    named = {pair for pair, _ in problems}
+    return {
+        "measured_at": measured.at,
+        "links": [
+            {
+                "a": x["a"],
+                "b": x["b"],
+                "hosts": [measured.hosts[x["a"]], measured.hosts[x["b"]]],
+                "rtt_us": x["rtt_4b_us"],
+                "rtt_8kb_us": x["rtt_8kb_us"],
+                "worst_rtt_us": max(x["rtt_4b_max_us"], x["rtt_8kb_max_us"]),
+                "gbps": x["gbps"],
+                "exact": not x["bad_words"],
+                "slow": (x["a"], x["b"]) in named,
+            }  # fmt: skip
+            for x in r.links
+        ],
+        "allsum_4b_us": r.allsum_4b_us,
+        "allsum_8kb_us": r.allsum_8kb_us,
+        "allsum_exact": not r.allsum_bad_words,
+        "problems": [text for _, text in problems],
     }
 
 

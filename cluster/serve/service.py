@@ -35,6 +35,7 @@ from cluster.core.protocol import (
     END_OF_INPUT,
     Counted,
     Event,
+    LinkReport,
     Piece,
     Prefill,
     Refused,
@@ -105,6 +106,15 @@ class Flight:
     prefill: tuple[int, int] | None = None  # prompt tokens prefilled, of: while rank 0 does
 
 
+@dataclass
+class MeasuredLinks:
+    """The links of the running ranks as they measured them at start-up, and each rank's host."""
+
+    report: LinkReport
+    hosts: list[str]
+    at: float  # when (time.time())
+
+
 class Service:
     """The requests, the running job's channel and what /health and /metrics say.
 
@@ -135,6 +145,7 @@ class Service:
         self.draining_now = False
         self.closed = False
         self.failures: list[Failure] = []
+        self.links: MeasuredLinks | None = None  # the current ranks' (--measure-links)
         self.failed_at: float | None = None
         self.served = False  # the ranks were ready once: a later failure is restarted
         self.url = ""
@@ -303,6 +314,10 @@ class Service:
         if isinstance(event, Serving):
             self.became_ready(event, now)
             return
+        if isinstance(event, LinkReport):
+            hosts = [s.host for s in self.state.ranks] if self.state else []
+            self.links = MeasuredLinks(event, hosts, time.time())
+            return
         flight = self.inflight.get(getattr(event, "request", None) or "")
         if flight is None:
             return
@@ -357,6 +372,7 @@ class Service:
         was under way at an earlier failure too gets an error instead (it may be what makes
         the ranks fail). A stream under way ends with an error event."""
         self.ready = False
+        self.links = None  # the next ranks measure theirs
         if self.outbox is not None:
             self.outbox.put(None)
         self.outbox = None

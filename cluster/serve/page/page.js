@@ -6,7 +6,7 @@ const KEY = "mlx-cluster-key";  // the API key lives in this tab's session only
 const POLL_MS = 2000;
 const CHAT_MAX_TOKENS = 512;
 const PHASE_COLORS = { ready: "#1f8a4c", generating: "#1f8a4c", loading: "#b26a00",
-  init: "#b26a00", starting: "#b26a00" };
+  init: "#b26a00", starting: "#b26a00", links: "#b26a00" };
 const $ = (id) => document.getElementById(id);
 let model = null;
 const history = [];
@@ -39,6 +39,15 @@ function gb(x) {
 }
 function secs(x) { return x === null || x === undefined ? "–" : x < 1 ? (x * 1000).toFixed(0) + " ms" : x.toFixed(2) + " s"; }
 
+function us(x) { return x < 1000 ? x.toFixed(0) + " µs" : (x / 1000).toFixed(1) + " ms"; }
+function gbit(x) { return x.toFixed(x < 10 ? 2 : 1) + " Gbit/s"; }
+
+function linkBetween(c, one, other) {  // the measured link joining two hosts, if any
+  const all = c.links ? c.links.links : [];
+  return all.find((l) => (l.hosts[0] === one && l.hosts[1] === other) ||
+                         (l.hosts[0] === other && l.hosts[1] === one));
+}
+
 function holds(r, mode) {
   if (mode === "tensor") return "a share of every layer";
   return r.layers ? `layers ${r.layers[0]}–${r.layers[1] - 1}` : "all layers";
@@ -47,17 +56,26 @@ function holds(r, mode) {
 function drawRig(c) {
   const area = $("rig");
   area.replaceChildren();
-  const n = c.hosts.length, w = 190, h = 120, gap = 60, top = 30;
+  const n = c.hosts.length, w = 190, h = 120, gap = 100, top = 30;
   const width = n * w + (n - 1) * gap + 20;
   area.setAttribute("viewBox", `0 0 ${Math.max(width, 400)} 190`);
   area.setAttribute("preserveAspectRatio", "xMinYMid meet");
   c.hosts.forEach((host, i) => {
     const x = 10 + i * (w + gap);
-    if (i > 0) {  // the link to the host before, in the ring's order
+    if (i > 0) {  // the link to the host before, in the ring's order, with its figures
       const up = !host.left_out && !c.hosts[i - 1].left_out;
+      const link = up ? linkBetween(c, c.hosts[i - 1].name, host.name) : null;
+      const color = link && link.slow ? "#c62828" : up ? "#6e6e73" : "#d2d2d7";
       area.append(svg("line", { x1: x - gap, y1: top + h / 2, x2: x, y2: top + h / 2,
-        stroke: up ? "#6e6e73" : "#d2d2d7", "stroke-width": 3,
+        stroke: color, "stroke-width": link && link.slow ? 5 : 3,
         "stroke-dasharray": up ? "" : "6 4" }));
+      if (link) {
+        const mid = x - gap / 2, fill = link.slow ? "#c62828" : "#6e6e73";
+        area.append(svg("text", { x: mid, y: top + h / 2 - 8, "font-size": 11, fill,
+          "text-anchor": "middle" }, us(link.rtt_us)));
+        area.append(svg("text", { x: mid, y: top + h / 2 + 18, "font-size": 11, fill,
+          "text-anchor": "middle" }, gbit(link.gbps)));
+      }
     }
     area.append(svg("rect", { x, y: top, width: w, height: h, rx: 12,
       fill: host.left_out ? "#f1f1f3" : "#fff", stroke: host.left_out ? "#c62828" : "#d2d2d7",
@@ -105,6 +123,33 @@ function drawRanks(c) {
     }
   }
   $("ranks").tBodies[0].replaceChildren(...rows);
+}
+
+function drawLinks(c) {
+  const rows = (c.links ? c.links.links : []).map((l) => {
+    const tr = document.createElement("tr");
+    for (const cell of [`${l.a}–${l.b}`, `${l.hosts[0]} – ${l.hosts[1]}`, us(l.rtt_us),
+                        us(l.worst_rtt_us), gbit(l.gbps), l.exact ? "yes" : "NO"]) {
+      const td = document.createElement("td");
+      td.textContent = cell;
+      tr.append(td);
+    }
+    if (l.slow) tr.className = "slow";
+    tr.dataset.link = `${l.a}-${l.b}`;
+    return tr;
+  });
+  $("links").tBodies[0].replaceChildren(...rows);
+  const m = c.links;
+  $("allsum").textContent = !m
+    ? (c.ranks > 1 ? "measured as the ranks start (--measure-links)" : "one rank: no links")
+    : `all_sum over ${c.ranks} ranks: ${us(m.allsum_4b_us)} at 4 B, ${us(m.allsum_8kb_us)} ` +
+      `at 8 KB${m.allsum_exact ? "" : " — NOT exact"} · measured ` +
+      new Date(m.measured_at * 1000).toLocaleTimeString();
+  $("linkproblems").replaceChildren(...(m ? m.problems : []).map((p) => {
+    const li = document.createElement("li");
+    li.textContent = p;
+    return li;
+  }));
 }
 
 function drawChart(c) {
@@ -165,6 +210,7 @@ function draw(c) {
   $("ttft95").textContent = secs(c.ttft_s.p95);
   drawRig(c);
   drawRanks(c);
+  drawLinks(c);
   drawChart(c);
   drawLists(c);
 }
