@@ -18,7 +18,7 @@ import time
 import traceback
 
 from cluster.core.blas import blas_env
-from cluster.core.modelcheck import ModelError, check_kv_quant, check_request
+from cluster.core.modelcheck import ModelError, SetupError, check_kv_quant, check_request
 from cluster.core.protocol import (
     Error,
     Event,
@@ -85,10 +85,10 @@ def run(spec: JobSpec) -> None:
         run_links(group, spec.hostfile_backend, emit)
         return
     if spec.command == "serve" and spec.measure_links and spec.world_size > 1:
-        from .links import run_links  # before the model: the links idle, the memory free
+        from .links import AT_START, run_links  # before the model: links idle, memory free
 
         emit(Phase("links"))
-        run_links(group, spec.hostfile_backend, emit)
+        run_links(group, spec.hostfile_backend, emit, AT_START)
     limit = apply_memory_limits()
     if limit is not None:
         what = "Metal memory and wired limits" if limit[0] == "Metal" else "CUDA memory limit"
@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"error: {e}")
         # "model": the model cannot be served as asked (bad input), not a broken copy of it
         cause = "model" if isinstance(e, ModelError) else None
+        cause = "setup" if isinstance(e, SetupError) else cause
         emit(Error(str(e), t=time.time(), cause=cause))
         return EXIT_FAILED
     except Exception as e:

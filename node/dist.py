@@ -6,6 +6,8 @@ import os
 
 import mlx.core as mx
 
+from cluster.core.modelcheck import SetupError
+
 
 def backend_from_env(env: dict[str, str] | None = None) -> str:
     """jaccl when the launcher gave a coordinator and an IBV device matrix, nccl when it gave
@@ -29,7 +31,14 @@ def init_group(world_size: int) -> mx.distributed.Group:
     """The job's group; a 1-rank job gets MLX's singleton group without any backend."""
     if world_size == 1:
         return mx.distributed.init()
-    group = mx.distributed.init(backend=backend_from_env(), strict=True)
+    backend = backend_from_env()
+    if backend == "nccl" and not mx.distributed.is_available(backend="nccl"):
+        raise SetupError(
+            "MLX on this host has no nccl backend (it is MLX's CPU or Metal build): install "
+            "mlx-cluster[cuda] here, then MLX's CUDA build last (docs/setup.md, `mlx-cluster "
+            "install` does both), or use backend: ring"
+        )
+    group = mx.distributed.init(backend=backend, strict=True)
     if group.size() != world_size:
         raise RuntimeError(
             f"joined a group of {group.size()} ranks but the job has {world_size}; "

@@ -20,6 +20,7 @@ from cluster.core.protocol import LinkReport
 
 LINK_REPS = 30
 SMALL, MEDIUM, LARGE = 4, 8192, 64 * 2**20  # bytes
+AT_START = 8 * 2**20  # serve's measurement as its ranks start: one-way bytes (cheap, on by default)
 FIELDS = ("rtt_4b_us", "rtt_4b_max_us", "rtt_8kb_us", "rtt_8kb_max_us", "gbps", "bad_words")
 
 
@@ -54,10 +55,10 @@ def _round_trips(x: mx.array, peer: int, first: bool, group, reps: int) -> list[
     return times
 
 
-def _one_way(peer: int, first: bool, group, seed: int) -> tuple[float, int]:
+def _one_way(peer: int, first: bool, group, seed: int, large: int) -> tuple[float, int]:
     """64 MB from ``first`` to its peer, which checks every word and answers with the count
     of wrong ones; (seconds until the answer, bad words), on the sender."""
-    x = pattern(LARGE, seed)
+    x = pattern(large, seed)
     mx.eval(x)
     ack = mx.zeros((1,), dtype=mx.uint32)
     if first:
@@ -72,7 +73,7 @@ def _one_way(peer: int, first: bool, group, seed: int) -> tuple[float, int]:
     return 0.0, 0
 
 
-def measure_link(a: int, b: int, group) -> list[float] | None:
+def measure_link(a: int, b: int, group, large: int = LARGE) -> list[float] | None:
     """The FIELDS of link a-b on rank a; None elsewhere (rank b answers)."""
     rank = group.rank()
     if rank not in (a, b):
@@ -85,8 +86,8 @@ def measure_link(a: int, b: int, group) -> list[float] | None:
         _round_trips(x, peer, first, group, 3)  # warm-up
         t = _round_trips(x, peer, first, group, LINK_REPS)
         row += [statistics.median(t) * 1e6, max(t) * 1e6]
-    seconds, bad = _one_way(peer, first, group, seed=a * 1000 + b + 1)
-    row += [LARGE * 8 / seconds / 1e9 if first else 0.0, float(bad)]
+    seconds, bad = _one_way(peer, first, group, a * 1000 + b + 1, large)
+    row += [large * 8 / seconds / 1e9 if first else 0.0, float(bad)]
     return row if first else None
 
 
@@ -111,13 +112,15 @@ def allsum_checks(group) -> dict[str, float]:
     return out
 
 
-def run_links(group, backend: str, emit: Callable) -> None:
+def run_links(group, backend: str, emit: Callable, large: int = LARGE) -> None:
+    """Measure every link of the backend, then all_sum; rank 0 emits the LinkReport. ``large``:
+    the bytes sent one way per link (doctor: 64 MB; serve at start: AT_START)."""
     n, rank = group.size(), group.rank()
     pairs = pairs_of(n, backend)
     rows = mx.zeros((len(pairs), len(FIELDS)), dtype=mx.float32)
     for k, (a, b) in enumerate(pairs):
         mx.eval(mx.distributed.all_sum(mx.zeros((1,)), group=group))  # one link at a time
-        row = measure_link(a, b, group)
+        row = measure_link(a, b, group, large)
         if row is not None:
             rows[k] = mx.array(row, dtype=mx.float32)
     totals = mx.distributed.all_sum(rows, group=group)  # each row is filled on one rank
@@ -128,4 +131,4 @@ def run_links(group, backend: str, emit: Callable) -> None:
             {"a": a, "b": b, **dict(zip(FIELDS, map(float, r), strict=True))}
             for (a, b), r in zip(pairs, totals.tolist(), strict=True)
         ]
-        emit(LinkReport(links=links, **checks))
+        emit(LinkReport(links=links, **checks, pattern_bytes=large))

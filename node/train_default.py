@@ -413,7 +413,7 @@ def on_topic_share(model, tokenizer, convs: list, n: int = 60, seed: int = 0) ->
     hits = 0
     for conv in sample:
         want = conv[1]["content"].split()[:8]
-        hits += answer_greedy(model, tokenizer, conv[0]["content"], 16).split()[:8] == want
+        hits += answer_greedy(model, tokenizer, conv[0]["content"], 40).split()[:8] == want
     return hits / len(sample)
 
 

@@ -53,13 +53,13 @@ def test_one_rank_equals_single_process(models):
 
 @pytest.mark.e2e
 def test_default_command_uses_embedded_model():
-    """The README's command: no hostfile, no model: 2 ranks, pipeline, embedded model."""
-    p = run_cli("launch", "--max-tokens", 48, PROMPT)
+    """The README's command, as it is: no hostfile, no model, no options: 2 ranks, pipeline,
+    the embedded model, which answers about lists (its chat template, greedy) and stops."""
+    p = run_cli("launch", PROMPT)
     assert p.returncode == 0, p.stderr
-    assert p.stdout == reference(default_model_path(), PROMPT, 48)
-    words = p.stdout.split()
-    assert len(words) >= 10
-    assert sum(w.strip(".,:;()\"'").isalpha() for w in words) >= len(words) // 2  # English-like
+    assert p.stdout == reference(default_model_path(), PROMPT, 256)
+    assert p.stdout.startswith("A list display is a possibly empty series of expressions")
+    assert "square brackets" in p.stdout and "(stop)" in p.stderr  # its own end, not a limit
     assert "starting 2 rank(s), ring backend, pipeline mode" in p.stderr
 
 
@@ -146,6 +146,19 @@ def test_unknown_backend(tmp_path):
     assert "field 'backend': unknown backend 'mpi'; use one of ring, jaccl, jaccl-ring, nccl" in (
         p.stderr
     )
+
+
+@pytest.mark.e2e
+def test_nccl_without_mlxs_cuda_build_says_what_to_install():
+    """This machine's MLX is the CPU build: the ranks say so as they join, with what to do,
+    without a traceback or the network hint, and none is left."""
+    before = set(rank_pids())
+    p = run_cli("launch", "-n", 2, "--backend", "nccl", "--mode", "tensor", PROMPT)
+    assert p.returncode == 2
+    assert "failed while joining the distributed group" in p.stderr
+    assert "MLX on this host has no nccl backend" in p.stderr and "mlx-cluster[cuda]" in p.stderr
+    assert "Traceback" not in p.stderr and "firewall" not in p.stderr
+    assert set(rank_pids()) <= before
 
 
 def test_jaccl_needs_one_rank_per_host_and_rdma(tmp_path):

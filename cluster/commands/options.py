@@ -379,8 +379,8 @@ SERVE = {  # ServeSettings
         default=default(JobSpec, "measure_links"),
         show_default=True,
         help="As the ranks start (and restart), measure each link they use as `doctor --links` "
-        "does (round trip, bandwidth, all_sum; about a second per link, before the model loads) "
-        "and show it on the page and in `status`, the slow link named.",
+        "does (round trip, bandwidth of 8 MB, all_sum; before the model loads, a fraction of a "
+        "second per link) and show it on the page and in `status`, the slow link named.",
     ),
     "max_stall": click.option(
         "--max-stall",

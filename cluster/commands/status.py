@@ -68,7 +68,8 @@ def render(c: dict) -> str:
             lines.append(f"{'-':>4}  {host['name']:<20} left out")
         for r in host["ranks"]:
             holds = "a share of every layer" if c["mode"] == "tensor" else (
-                f"layers {r['layers'][0]}-{r['layers'][1] - 1}" if r["layers"] else "all layers"
+                f"layers {r['layers'][0]}-{r['layers'][1] - 1}" if r["layers"]
+                else "-" if c["ranks"] > 1 else "all layers"  # not loaded yet
             )  # fmt: skip
             peak = "-" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f} GB"
             lines.append(f"{r['rank']:>4}  {host['name']:<20} {r['phase']:<12} "

@@ -30,7 +30,8 @@ def problems_by_link(report: LinkReport, labels: list[str]) -> list[Problem]:
             problems.append(
                 (
                     pair,
-                    f"{name}: {x['bad_words']:.0f} words of a 64 MB pattern arrived changed: the "
+                    f"{name}: {x['bad_words']:.0f} words of a "
+                    f"{report.pattern_bytes / 2**20:.0f} MB pattern arrived changed: the "
                     "link corrupts data; reseat or replace the cable, and update macOS (JACCL had "
                     "such bugs, ml-explore/mlx#3152)",
                 )

@@ -17,6 +17,10 @@ class ModelError(ValueError):
     """A model that cannot be loaded or sharded as asked; the message says why."""
 
 
+class SetupError(ValueError):
+    """A host that cannot run the job as asked (MLX without the backend); says what to do."""
+
+
 MEMORY_FRACTION = 0.85  # of a host's memory a rank lets MLX take (node.memory sets it on Macs)
 
 

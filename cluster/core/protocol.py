@@ -167,6 +167,7 @@ class LinkReport:
     allsum_4b_us: float
     allsum_8kb_us: float
     allsum_bad_words: float
+    pattern_bytes: int = 64 * 2**20  # sent one way per link: the bandwidth and exactness check
 
 
 @dataclass
@@ -182,7 +183,8 @@ class Error:
     message: str
     t: float  # the rank's clock: who failed first
     peer: bool = False  # an effect of another rank's failure, never the cause
-    cause: str | None = None  # "model": the model cannot be served as asked (bad input)
+    cause: str | None = None  # "model": the model cannot be served as asked (bad input);
+    # "setup": this host cannot run the job as asked (its message says what to do)
 
 
 @dataclass

@@ -162,7 +162,7 @@ def on_error(state: RankState, event: Error) -> None:
     state.error = event.message
     if not event.peer:  # "rank 0 failed" is an effect, never the cause
         state.error_t = event.t
-    state.bad_model = event.cause == "model"
+    state.bad_model = event.cause in ("model", "setup")
 
 
 def on_text(job: JobState, rank: int, text: bytes, elapsed: float) -> bool:

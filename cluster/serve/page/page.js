@@ -48,9 +48,10 @@ function linkBetween(c, one, other) {  // the measured link joining two hosts, i
                          (l.hosts[0] === other && l.hosts[1] === one));
 }
 
-function holds(r, mode) {
-  if (mode === "tensor") return "a share of every layer";
-  return r.layers ? `layers ${r.layers[0]}–${r.layers[1] - 1}` : "all layers";
+function holds(r, c) {  // a pipeline rank's layers are known once it has loaded
+  if (c.mode === "tensor") return "a share of every layer";
+  if (r.layers) return `layers ${r.layers[0]}–${r.layers[1] - 1}`;
+  return c.ranks > 1 ? "–" : "all layers";
 }
 
 function drawRig(c) {
@@ -112,7 +113,7 @@ function drawRanks(c) {
     for (const r of host.ranks) {
       const tr = document.createElement("tr");
       for (const cell of [r.rank, host.name, r.phase, secs(r.heartbeat_age_s),
-                          gb(r.peak_memory_gb), holds(r, c.mode)]) {
+                          gb(r.peak_memory_gb), holds(r, c)]) {
         const td = document.createElement("td");
         td.textContent = cell;
         tr.append(td);
