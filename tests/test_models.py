@@ -24,6 +24,10 @@ from matrix import (
 from tiny import VLM_FAMILIES, make_model, make_vlm
 
 DOCS = parse((ROOT / "docs" / "models.md").read_text())
+# The suite's columns. docs/models.md also has 4 ranks in each mode, from `python
+# tests/matrix.py` (every cell through launch): 4 ranks on 2 cores cost about a minute of the
+# suite, and 3 ranks already split heads unevenly and replicate KV heads.
+CI_RANKS = tuple(n for n in RANKS if n <= 3)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,7 @@ def matrix(tmp_path_factory):
     prefetch_references(models, image, base)
     table: dict = {family: {} for family in models}
     for mode in MODES:
-        for n in RANKS:
+        for n in CI_RANKS:
             for family, cell in check_cells_together(models, mode, n, image, base).items():
                 table[family][f"{mode} {n}"] = cell
     return table
@@ -48,9 +52,9 @@ def matrix(tmp_path_factory):
 def test_matrix_row_is_what_docs_say(family, matrix):
     """Each cell as docs/models.md records it; the required cells match single-process."""
     assert family in DOCS, f"docs/models.md has no row for {family}; run tests/matrix.py"
-    assert set(DOCS[family]) == set(matrix[family]), "docs/models.md's columns changed"
-    for column, recorded in DOCS[family].items():
-        cell = matrix[family][column]
+    assert set(matrix[family]) <= set(DOCS[family]), "docs/models.md's columns changed"
+    for column, cell in matrix[family].items():
+        recorded = DOCS[family][column]
         assert cell.status == recorded, f"{family} {column}: {cell.status} ({cell.detail})"
         # every family matches in both modes at 2, 3 and 4 ranks
         assert cell.status == "match", f"{family} {column}: {cell}"

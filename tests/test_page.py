@@ -37,7 +37,7 @@ def served(tmp_path_factory):
     from tiny import make_model
 
     model = make_model(tmp_path_factory.mktemp("page") / "m", "qwen2", seed=2, chat_template=True)
-    s = Served(model)
+    s = Served(model, links=True)
     s.model = model
     yield s
     s.stop()

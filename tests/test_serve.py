@@ -27,14 +27,25 @@ def free_port() -> int:
 
 
 class Served:
-    def __init__(self, model_dir, *args, env=None, address="127.0.0.1"):
+    def __init__(self, model_dir, *args, env=None, address="127.0.0.1", links=False):
         """``address``: where rank 0 listens, as seen from here (with ``--host`` in args
-        when it is not 127.0.0.1)."""
+        when it is not 127.0.0.1). ``links``: the ranks measure their links as they start
+        (serve's default; the tests that check the figures ask for it, the others save the
+        second or two per start)."""
         self.address = address
         self.port = free_port()
         before = set(rank_pids())
         self.proc = subprocess.Popen(
-            [CLI, "serve", "--model", str(model_dir), "--port", str(self.port), *args],
+            [
+                CLI,
+                "serve",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(self.port),
+                *args,
+                *([] if links else ["--no-measure-links"]),
+            ],  # fmt: skip
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -72,7 +83,7 @@ def server(tmp_path_factory):
     from tiny import make_model
 
     model = make_model(tmp_path_factory.mktemp("serve") / "m", "qwen2", seed=2, chat_template=True)
-    served = Served(model, "--max-prompt-tokens", "2000", "--read-timeout", "3")
+    served = Served(model, "--max-prompt-tokens", "2000", "--read-timeout", "3", links=True)
     served.model = model
     yield served
     served.stop()
@@ -418,7 +429,7 @@ def test_sigint_drains_then_every_rank_exits(tmp_path, models):
     served = Served(models["endless"], "-n", "3")
     assert len(served.pids) == 3
     stream = served.client.completions.create(
-        model="endless", prompt="hi", max_tokens=200, temperature=0, stream=True
+        model="endless", prompt="hi", max_tokens=80, temperature=0, stream=True
     )
     chunks = iter(stream)
     next(chunks)  # the answer is under way
