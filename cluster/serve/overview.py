@@ -84,7 +84,7 @@ def links_of(measured) -> dict[str, Any] | None:
                 "gbps": x["gbps"],
                 "exact": not x["bad_words"],
                 "slow": (x["a"], x["b"]) in named,
-            }  # fmt: skip
+            }
             for x in r.links
         ],
         "allsum_4b_us": r.allsum_4b_us,
