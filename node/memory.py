@@ -12,6 +12,7 @@ memory the GPU has free when the rank starts (MLX's device info, from NVML), as 
 from __future__ import annotations
 
 import atexit
+import functools
 
 import mlx.core as mx
 
@@ -35,8 +36,11 @@ def cuda_limit(device_info: dict) -> int | None:
     return int(free * MEMORY_FRACTION)
 
 
+@functools.cache
 def device_limit() -> tuple[str, int] | None:
-    """The limit this rank's device calls for: ("Metal", bytes), ("CUDA", bytes) or None."""
+    """The limit this rank's device calls for: ("Metal", bytes), ("CUDA", bytes) or None.
+    Decided once, at the rank's start: a CUDA GPU's free memory shrinks as the weights load,
+    and serve's cache budget must subtract them from the limit that was set, not a smaller one."""
     if mx.metal.is_available():
         limit = metal_limits(mx.device_info())
         return ("Metal", limit) if limit is not None else None
@@ -63,5 +67,6 @@ def apply_memory_limits() -> tuple[str, int] | None:
 def reapply_wired_limit() -> None:
     """mlx-lm's BatchGenerator sets the wired limit to the whole recommended working set when
     it starts; put ours back."""
-    if mx.metal.is_available() and (limit := metal_limits(mx.device_info())) is not None:
-        mx.set_wired_limit(limit)
+    found = device_limit()
+    if found is not None and found[0] == "Metal":
+        mx.set_wired_limit(found[1])

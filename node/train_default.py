@@ -261,7 +261,7 @@ def corpus() -> list[str]:
     return [topics[k].strip() for k in sorted(topics)]
 
 
-def train_tokenizer(docs: list[str], vocab_size: int, out: Path):
+def train_tokenizer(docs: list[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -277,8 +277,7 @@ def train_tokenizer(docs: list[str], vocab_size: int, out: Path):
     tok.train_from_iterator(docs, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
     fast.model_max_length = CONFIG["max_position_embeddings"]
-    fast.save_pretrained(out)
-    return fast
+    return fast  # saved with its chat template by save_tokenizer
 
 
 def save_tokenizer(tokenizer, out: Path) -> None:
@@ -486,7 +485,7 @@ def main():
             args.init or DEFAULT_DIR, clean_up_tokenization_spaces=False
         )
     else:
-        tokenizer = train_tokenizer(docs, CONFIG["vocab_size"], args.out)
+        tokenizer = train_tokenizer(docs, CONFIG["vocab_size"])
     tokenizer.chat_template = CHAT_TEMPLATE
     save_tokenizer(tokenizer, args.out)
     ids = []
