@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import posixpath
 import queue
+import secrets
 import shlex
 import shutil
 import signal
@@ -202,12 +203,17 @@ class Shell:
         return p.returncode, p.stdout, p.stderr
 
     def put(self, local: Path, remote: str) -> None:
+        """Copy ``local`` to ``remote`` whole or not at all: under a name of its own, then
+        renamed, so two hosts that share a disk (and a home) never write into one file."""
+        part = f"{remote}.{secrets.token_hex(4)}.part"
         if self.client is None:
-            shutil.copyfile(local, remote)
+            shutil.copyfile(local, part)
+            os.replace(part, remote)
             return
         sftp = self.client.open_sftp()
         try:
-            sftp.put(str(local), remote)
+            sftp.put(str(local), part)
+            sftp.posix_rename(part, remote)
         finally:
             sftp.close()
 
