@@ -23,6 +23,7 @@ from cluster.core.protocol import (
     Error,
     Event,
     Memory,
+    Notice,
     Phase,
     Prefill,
     Ready,
@@ -110,7 +111,7 @@ def run(spec: JobSpec) -> None:
     if spec.command in ("chat", "serve", "generate"):
         from .diskcache import open_disk_cache
 
-        disk = open_disk_cache(loaded, spec, group, log)
+        disk = open_disk_cache(loaded, spec, group, log, lambda m: emit(Notice(m)))
 
     command = spec.command
     stats = None  # a one-shot answer's, reported by rank 0 once every rank is done

@@ -106,8 +106,9 @@ class TurnCache:
     proposer, the list holds the model's layers, then the proposer's (as mlx-lm's speculative
     step takes them), and both are trimmed alike."""
 
-    def __init__(self, model, budget_bytes: float, proposer=None, disk=None):
+    def __init__(self, model, budget_bytes: float, proposer=None, disk=None, group=None):
         self.model = model
+        self.group = group  # the job's: whether to keep the cache is decided by every rank
         self.proposer = proposer
         self.budget = budget_bytes
         self.disk = disk  # node.diskcache.DiskCache: the tier under this one (no proposer)
@@ -150,9 +151,15 @@ class TurnCache:
             self.disk.save(tokens + generated, self.cache)
 
     def done(self, tokens: list[int], generated: list[int]) -> None:
-        """After a turn: note what the cache now holds, or drop it when over budget."""
+        """After a turn (every rank at once): note what the cache now holds, or drop it when
+        any rank is over its budget. Ranks hold different layers, so their bytes differ: a
+        rank that dropped its cache alone would prefill another length than the others at
+        the next turn."""
+        from .diskcache import agree_min
+
         offset = _offset(self.cache)
-        if offset is None or _nbytes(self.cache) > self.budget:
+        keep = offset is not None and _nbytes(self.cache) <= self.budget
+        if not agree_min(int(keep), self.group):
             self.cache, self.tokens = None, []
             return
         self.tokens = (tokens + generated)[:offset]
@@ -212,8 +219,9 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
     rank0 = group.rank() == 0
     speculation = loaded.speculation
     cache = TurnCache(
-        loaded.model, spec.prompt_cache_gb * 1e9, speculation and speculation.proposer, disk
-    )
+        loaded.model, spec.prompt_cache_gb * 1e9, speculation and speculation.proposer, disk,
+        group,
+    )  # fmt: skip
     if rank0:
         inp = Input(launcher_input())
         conversation = Conversation(loaded.tokenizer, spec.request.template)

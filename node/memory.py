@@ -16,7 +16,7 @@ import functools
 
 import mlx.core as mx
 
-from cluster.core.modelcheck import MEMORY_FRACTION
+from cluster.core.modelcheck import MEMORY_FRACTION, text_config
 
 
 def metal_limits(device_info: dict) -> int | None:
@@ -70,3 +70,42 @@ def reapply_wired_limit() -> None:
     found = device_limit()
     if found is not None and found[0] == "Metal":
         mx.set_wired_limit(found[1])
+
+
+def kv_token_bytes(config: dict, cache: list, mode: str, world: int) -> int | None:
+    """Bytes of KV cache one more token takes on this rank (keys and values of its own layers,
+    or its own heads), from the config; None when the config does not say. ``cache``: a
+    fresh cache list of this rank's model (other stages' slots hold no keys)."""
+    from .stage import SkippedCache
+
+    text = text_config(config)
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    kv = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (hidden // heads if heads and hidden else None)
+    if text.get("kv_lora_rank"):  # MLA (DeepSeek): the latent and the rope part, not split
+        per_layer = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)
+    elif kv and head_dim:
+        per_layer = 2 * int(kv) * int(head_dim)
+        if mode == "tensor":
+            per_layer = -(-per_layer // world)
+    else:
+        return None
+    layers = sum(1 for c in cache if not isinstance(c, SkippedCache) and hasattr(c, "keys"))
+    if not layers:
+        return None
+    itemsize = 4 if str(text.get("torch_dtype", "")).endswith("float32") else 2
+    return layers * per_layer * itemsize
+
+
+def memory_left(ranks_on_host: int) -> float:
+    """Bytes this rank may still fill once its weights are loaded: the device's limit (a Mac,
+    a CUDA GPU) less what is in use, else the host's free memory shared by its ranks."""
+    if (limit := device_limit()) is not None:
+        return max(0.0, limit[1] - mx.get_active_memory())
+    import os
+
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8e9
+    return free / max(1, ranks_on_host)

@@ -11,10 +11,12 @@ Markup that does not parse is kept as content: nothing the model wrote is lost.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
 from cluster.core.protocol import Piece, ToolCall
+from cluster.core.text import valid_text
 
 from .reasoning import THINK_CLOSE, THINK_OPEN, held_back
 
@@ -123,11 +125,37 @@ class Parts:
             self.out(self.start_marker + markup + end)  # as written: nothing is lost
             return False
         for name, arguments, call_id in found:
-            if not isinstance(arguments, str):
-                arguments = json.dumps(arguments, ensure_ascii=False)
-            self.emit(ToolCall(self.id, self.calls, name, arguments, call_id))
+            arguments = arguments if isinstance(arguments, str) else arguments_json(arguments)
+            self.emit(ToolCall(self.id, self.calls, valid_text(name), valid_text(arguments),
+                               None if call_id is None else valid_text(str(call_id))))  # fmt: skip
             self.calls += 1
         return True
+
+
+def arguments_json(value: Any) -> str:
+    """A parser's arguments as JSON text, whatever they hold: mlx-lm's parsers that use
+    ``ast.literal_eval`` can give sets, tuples, bytes, complex numbers or non-finite floats,
+    which JSON has no form for; those become lists or strings (nothing the model wrote is
+    dropped, and the call still reaches the client)."""
+    return json.dumps(plain(value), ensure_ascii=False, allow_nan=False)
+
+
+def plain(value: Any, depth: int = 0) -> Any:
+    if depth > 64:
+        return valid_text(repr(value)[:10_000])
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, str):
+        return valid_text(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {valid_text(str(k)): plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain(v, depth + 1) for v in value]
+    return valid_text(str(value))
 
 
 def token_logprobs(tokenizer, token: int, logprobs, top: int) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from .sampling import RequestFailed, settings, tried
 from .watchdog import progress
 
 PING_S = 2.0  # an idle rank 0 shows every rank it is still there this often
+ORDER_BYTES = 32 << 20  # an order's requests, encoded: more wait for the next round
 MEMORY_EVERY_S = 5.0  # each rank reports its peak memory this often (the API's /metrics)
 
 
@@ -52,6 +53,7 @@ class Ticket:
     cancel: threading.Event = field(default_factory=threading.Event)
     parts: Parts | None = None  # its text as the API returns it (set once it is prepared)
     shared: dict | None = None  # what every rank gets: tokens and settings (once prepared)
+    size: int = 0  # bytes of ``shared`` as share_object sends it
 
 
 class Inbox:
@@ -154,6 +156,25 @@ class Refusal(ValueError):
     """A request rank 0 refuses once it has its tokens (the field and the limit named)."""
 
 
+def needed(shared: dict) -> int:
+    """Tokens of KV cache a request may come to hold: its prompt and its answer."""
+    return len(shared["tokens"]) + int(shared["max_tokens"])
+
+
+def shared_size(shared: dict) -> int:
+    """Bytes of a request as share_object sends it; one that cannot be encoded, or could not
+    travel in an order, is refused here, alone, instead of failing an order on every rank."""
+    from .share import encode
+
+    try:
+        size = len(encode(shared))
+    except (ValueError, TypeError, RecursionError) as e:
+        raise Refusal(f"the request cannot be passed to the other ranks ({e})") from None
+    if size > ORDER_BYTES:
+        raise Refusal(f"the request is {size} bytes as the ranks get it, over {ORDER_BYTES}")
+    return size
+
+
 @dataclass
 class Admission:
     """What rank 0 checks of a request once its prompt is tokens: the prompt against the
@@ -163,6 +184,7 @@ class Admission:
     vocab: int | None
     context: int | None
     max_prompt_tokens: int | None
+    kv_room: int | None = None  # tokens of KV the answers under way may hold (node.serve.kv_room)
 
     @classmethod
     def of(cls, config: dict, settings) -> Admission:
@@ -194,6 +216,13 @@ class Admission:
                               f"({self.context}); nothing is left for the answer")  # fmt: skip
             if sampling.max_tokens > left:
                 changes["max_tokens"] = left
+        if self.kv_room is not None:
+            room = self.kv_room - n
+            if room < 1:
+                raise Refusal(f"the prompt is {n} tokens; the ranks' memory holds the KV cache "
+                              f"of {self.kv_room} tokens at most")  # fmt: skip
+            if changes.get("max_tokens", sampling.max_tokens) > room:
+                changes["max_tokens"] = room
         if self.vocab and sampling.top_k >= self.vocab:
             changes["top_k"] = 0
         if self.vocab and sampling.logit_bias:
@@ -220,6 +249,7 @@ class Live:
     first: float | None = None
     last: float | None = None
     n: int = 0
+    need: int = 0  # tokens of KV it may come to hold: prompt and max_tokens
 
 
 class Scheduler:
@@ -241,6 +271,7 @@ class Scheduler:
         self.lives: dict[int, Live] = {}
         self.removals: list[int] = []
         self.drain_deadline: float | None = None
+        self.reserved = 0  # tokens of KV the requests in the batch may come to hold
 
     def listen(self, stream: IO[bytes], log: Callable[[str], None]) -> None:
         self.inbox = Inbox(stream, log, self.prepare)
@@ -272,6 +303,7 @@ class Scheduler:
             return None
         try:
             ticket.shared = self.admission.request(tokens, r.sampling)
+            ticket.size = shared_size(ticket.shared)
         except Refusal as e:
             self.emit(Refused(r.id, 400, str(e)))
             return None
@@ -309,7 +341,8 @@ class Scheduler:
         order: dict[str, Any] = {}
         if self.removals:
             order["remove"], self.removals = self.removals, []
-        insert = []
+        insert, size, tokens = [], 0, 0
+        room = self.admission.kv_room
         while self.waiting:
             ticket, request = self.waiting[0]
             if ticket.cancel.is_set():
@@ -322,6 +355,13 @@ class Scheduler:
                 self.waiting.popleft()
                 self.inserting = [(ticket, request)]
                 return {"single": request}
+            if insert and size + ticket.size > ORDER_BYTES:
+                break  # the rest join at the next round: one order stays far under the limit
+            need = needed(request)
+            if room is not None and (live or insert) and self.reserved + tokens + need > room:
+                break  # it waits until answers under way end and leave memory for it
+            size += ticket.size
+            tokens += need
             insert.append(request)
             self.inserting.append(self.waiting.popleft())
         if insert:
@@ -357,7 +397,8 @@ class Scheduler:
                 self.piece(ticket, text.start())
             self.lives[uid] = Live(ticket, self.tokenizer.detokenizer, text,
                                    len(request["tokens"]), now, cached,
-                                   (from_disk or {}).get(uid, 0))  # fmt: skip
+                                   (from_disk or {}).get(uid, 0), need=needed(request))  # fmt: skip
+            self.reserved += self.lives[uid].need
         self.inserting = []
 
     def prefill_progress(self, prefilling: dict[int, tuple[int, int]]) -> None:
@@ -399,6 +440,7 @@ class Scheduler:
         """The request's answer is complete; unless the generator ended it, every rank drops
         it at the next order."""
         del self.lives[uid]
+        self.reserved -= one.need
         if not ended:
             self.removals.append(uid)
         decode_s = (one.last - one.first) if one.last and one.first else 0.0
@@ -425,23 +467,29 @@ class Scheduler:
         self.inbox.ended(ticket)
 
 
-def cache_budget(gb: float | None, ranks_on_host: int) -> float:
-    """Bytes this rank's kept caches may take: ``gb`` as asked, else half of the memory left
-    once the weights are loaded (the device's limit on a Mac or a CUDA GPU, the host's free
-    memory shared by its ranks on a CPU)."""
-    import mlx.core as mx
-
-    from .memory import device_limit
-
+def cache_budget(gb: float | None, left: float) -> tuple[float, float]:
+    """(bytes this rank's kept caches may take, bytes its answers under way may take), of
+    ``left`` (node.memory.memory_left): ``gb`` as asked and the rest, else half each."""
     if gb is not None:
-        return gb * 1e9
-    if (limit := device_limit()) is not None:  # Metal's, or a CUDA GPU's
-        return max(0.0, (limit[1] - mx.get_active_memory()) / 2)
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 4e9
-    return free / max(1, ranks_on_host) / 2
+        return gb * 1e9, max(0.0, left - gb * 1e9)
+    return left / 2, left / 2
+
+
+def kv_room(loaded, spec: JobSpec, live_bytes: float, group) -> int | None:
+    """Every rank at once: the tokens of KV cache the answers under way may hold on every
+    rank (the smallest room over the ranks); None when a rank cannot tell (its config does
+    not say), and then nothing is admitted by memory."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .diskcache import agree_min
+    from .memory import kv_token_bytes
+
+    per_token = kv_token_bytes(
+        loaded.config, make_prompt_cache(loaded.model), spec.mode, spec.world_size
+    )
+    room = int(min(live_bytes / per_token, 2**31 - 1)) if per_token else -1
+    room = agree_min(room, group)
+    return None if room < 0 else room
 
 
 def run_serve(loaded, group, spec: JobSpec, emit, log, disk=None) -> None:
@@ -451,6 +499,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log, disk=None) -> None:
 
     from .batch import Lockstep, batchable
     from .generate import PREFILL_STEP, generate
+    from .memory import memory_left
     from .share import share_from_rank0, share_object
     from .watchdog import launcher_input
 
@@ -473,9 +522,12 @@ def run_serve(loaded, group, spec: JobSpec, emit, log, disk=None) -> None:
     mx.random.seed(agreed["seed"])
     batched = batchable(loaded.model)
     vocab = Admission.of(loaded.config, options).vocab or loaded.tokenizer.vocab_size
-    cache_bytes = cache_budget(agreed["cache_gb"], spec.ranks_on_host)
+    cache_bytes, live_bytes = cache_budget(agreed["cache_gb"], memory_left(spec.ranks_on_host))
+    room = kv_room(loaded, spec, live_bytes, group)
     if batched:
         log(f"serve: kept answers' caches take at most {cache_bytes / 1e9:.1f} GB on this rank")
+    if room is not None and rank0:
+        log(f"serve: answers under way may hold {room} tokens of KV cache (every rank has room)")
     batch = (
         Lockstep(
             loaded.model,
@@ -497,6 +549,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log, disk=None) -> None:
     scheduler = None
     if rank0:
         admission = Admission.of(loaded.config, options)
+        admission.kv_room = room
         scheduler = Scheduler(loaded.tokenizer, emit, batched, options.drain_timeout, admission)
         scheduler.listen(launcher_input(), log)
         emit(Serving(model_id(spec.model), batched))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import threading
 import time
@@ -58,7 +59,7 @@ def api(request):
 
 def post(api, body: bytes, headers: dict | None = None, path="/v1/chat/completions"):
     conn = http.client.HTTPConnection(*api.address, timeout=10)
-    conn.putrequest("POST", path)
+    conn.putrequest("POST", path, skip_host="Host" in (headers or {}))
     for name, value in {"Content-Type": "application/json", **(headers or {})}.items():
         conn.putheader(name, value)
     if "Content-Length" not in (headers or {}):
@@ -135,7 +136,7 @@ def test_the_key_is_checked_as_bytes_before_the_body(api):
         assert s.recv(65536).startswith(b"HTTP/1.1 401")  # refused without waiting for it
     assert post(api, BODY, {"x-api-key": "sekret"})[0] == 200
     assert post(api, BODY, {"Authorization": "Bearer sekret"})[0] == 200
-    assert not [j for j in api.service.submitted if j.body.get("max_tokens") != 2]
+    assert not [j for j in api.service.submitted if j.request.sampling.max_tokens != 2]
 
 
 @pytest.mark.parametrize("api", [{"hold": True}], indirect=True)
@@ -186,3 +187,173 @@ def test_a_stream_whose_answer_has_not_begun_is_kept_alive(api, path, alive):
         while chunk := s.recv(65536):
             got += chunk
     assert b'"late"' in got.split(alive)[-1], got
+
+
+def raw_exchange(api, data: bytes, answers: int = 1) -> list[bytes]:
+    """``data`` on one connection; the heads of the first ``answers`` answers on it."""
+    with socket.create_connection(api.address, timeout=10) as s:
+        s.sendall(data)
+        f = s.makefile("rb")
+        heads = []
+        for _ in range(answers):
+            head = b""
+            while (line := f.readline()) not in (b"\r\n", b""):
+                head += line
+            length = [int(x.split(b":")[1]) for x in head.split(b"\r\n")
+                      if x.lower().startswith(b"content-length")]  # fmt: skip
+            f.read(length[0] if length else 0)
+            heads.append(head)
+        return heads
+
+
+def test_the_host_header_must_name_this_server(api):
+    """DNS rebinding: a page of evil.example whose name resolves to 127.0.0.1 sends its own
+    name as Host; that name is refused, loopback names and addresses are not."""
+    status, body = post(api, BODY, {"Host": "evil.example:8080"})
+    assert status == 403 and "--allowed-hosts" in body["error"]["message"]
+    for host in ("localhost:8080", "127.0.0.1", "[::1]:8080", "app.localhost", "10.1.2.3"):
+        assert post(api, BODY, {"Host": host})[0] == 200, host
+    conn = http.client.HTTPConnection(*api.address, timeout=10)
+    conn.request("GET", "/v1/cluster", headers={"Host": "evil.example"})
+    assert conn.getresponse().status == 403
+    assert not api.service.submitted[1:] or all(
+        r.request.sampling.max_tokens == 2 for r in api.service.submitted
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("api", [{"allowed_hosts": ["studio.lan"]}], indirect=True)
+def test_allowed_hosts_are_answered(api):
+    assert post(api, BODY, {"Host": "studio.lan:8080"})[0] == 200
+    assert post(api, BODY, {"Host": "other.lan"})[0] == 403
+
+
+def test_a_web_page_of_another_origin_is_refused(api):
+    host = f"127.0.0.1:{api.address[1]}"
+    status, body = post(api, BODY, {"Host": host, "Origin": "http://evil.example"})
+    assert status == 403 and "--cors-origins" in body["error"]["message"]
+    assert post(api, BODY, {"Host": host, "Origin": "null"})[0] == 403
+    assert post(api, BODY, {"Host": host, "Origin": f"http://{host}"})[0] == 200  # the page
+    conn = http.client.HTTPConnection(*api.address, timeout=10)
+    conn.request("OPTIONS", "/v1/chat/completions", headers={"Origin": "http://evil.example"})
+    assert conn.getresponse().status == 403
+
+
+@pytest.mark.parametrize("api", [{"cors_origins": ["http://localhost:3000"]}], indirect=True)
+def test_cors_origins_may_call_the_api_from_a_page(api):
+    conn = http.client.HTTPConnection(*api.address, timeout=10)
+    conn.request("OPTIONS", "/v1/chat/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})  # fmt: skip
+    r = conn.getresponse()
+    r.read()
+    assert r.status == 204
+    assert r.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    conn.request("POST", "/v1/chat/completions", BODY, {
+        "Origin": "http://localhost:3000", "Content-Type": "application/json"})  # fmt: skip
+    r = conn.getresponse()
+    assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    r.read()
+    assert post(api, BODY, {"Origin": "http://localhost:3001"})[0] == 403
+
+
+def test_json_routes_take_only_json(api):
+    """A page may post text/plain across origins without a preflight: such a body is not
+    taken as a request."""
+    status, body = post(api, BODY, {"Content-Type": "text/plain"})
+    assert status == 415 and "application/json" in body["error"]["message"]
+    assert post(api, BODY, {"Content-Type": "application/json; charset=utf-8"})[0] == 200
+    assert len(api.service.submitted) == 1
+
+
+def test_a_body_no_route_reads_never_becomes_the_next_request(api):
+    """A GET with a body, a POST to no route: the body is read (or the connection closed),
+    so behind a proxy that reuses connections the next request is itself."""
+    evil = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"  # what the body would smuggle
+    second = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+              b"Content-Type: application/json\r\n"
+              + f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY)  # fmt: skip
+    for first in (
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
+        + f"Content-Length: {len(evil)}\r\n\r\n".encode()
+        + evil,
+        b"POST /v1/nothing HTTP/1.1\r\nHost: localhost\r\n"
+        + f"Content-Length: {len(evil)}\r\n\r\n".encode()
+        + evil,
+    ):
+        heads = raw_exchange(api, first + second, answers=2)
+        assert heads[0].split(b"\r\n")[0] in (b"HTTP/1.1 200 OK", b"HTTP/1.1 404 Not Found")
+        assert heads[1].startswith(b"HTTP/1.1 200") and b"application/json" in heads[1]
+    with socket.create_connection(api.address, timeout=10) as s:  # too big to read: closed
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
+                  b"Content-Length: 99999999\r\n\r\n")  # fmt: skip
+        answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200") and b"Connection: close" in answer
+
+
+def test_unicode_digits_are_not_a_length(api):
+    status, body = post(api, BODY, {"Content-Length": "\u00b2"})
+    assert status == 400 and "bad Content-Length" in body["error"]["message"]
+
+
+def test_sixty_four_clients_connecting_at_once_are_all_answered(api):
+    """socketserver's listen backlog of 5 reset connections of a burst (the kernel refuses
+    past it); the backlog is now sized for --max-connections."""
+    barrier = threading.Barrier(64)
+    results = []
+
+    def one():
+        barrier.wait()
+        try:
+            results.append(post(api, BODY)[0])
+        except OSError as e:
+            results.append(repr(e))
+
+    threads = [threading.Thread(target=one) for _ in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [200] * 64, results
+
+
+def test_a_descriptor_past_1023_is_watched(api):
+    """select() cannot watch a descriptor past 1023 (a server with many connections has
+    them): a waiting request would have been taken for a client that left."""
+    import resource
+
+    from cluster.serve.http import readable
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip("this process may not open 1200 files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    with socket.create_connection(api.address, timeout=5) as s:
+        fd = os.dup2(s.fileno(), 1100)
+        high = socket.socket(fileno=fd)
+        try:
+            assert not readable(high)  # nothing to read yet, and no error
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            deadline = time.monotonic() + 5
+            while not readable(high) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert readable(high)
+        finally:
+            high.detach()
+            os.close(fd)
+
+
+def test_serve_raises_its_open_files_limit_for_its_connections(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import resource\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"  # macOS's default
+        "from cluster.serve.http import raise_open_files\n"
+        "print(raise_open_files(256), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    warning, soft = out.stdout.split()
+    assert warning == "None" and int(soft) >= 512, out

@@ -171,7 +171,7 @@ def test_what_cannot_be_served_is_refused_with_its_field(endpoint, body, words):
 
 
 def answer_job(endpoint, body) -> ApiRequest:
-    return ApiRequest(endpoint, endpoint.parse(body, MODELS), False, "m", body)
+    return ApiRequest(endpoint, endpoint.parse(body, MODELS), False, "m", endpoint.echo(body))
 
 
 RESULT = {

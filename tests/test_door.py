@@ -108,8 +108,59 @@ def test_json_that_python_takes_but_json_does_not_is_refused():
     assert loads(b"") is None and loads(b'{"a": [1, 2.5]}') == {"a": [1, 2.5]}
 
 
+def test_the_second_review_s_requests_are_4xx(monkeypatch):
+    """Each once took serve down or leaked: a lone surrogate (valid JSON) anywhere a string
+    goes, tool-call arguments nested past the limit inside their JSON text, Unicode digits,
+    a stream_options of another type, a model that is not served named by a path."""
+    lone = '"\\ud800"'
+    for path, data, says in [
+        ("stop", b'{"stop": [' + lone.encode() + b"]}", "'stop[0]': holds a lone surrogate"),
+        ("content", b'{"messages": [{"role": "user", "content": ' + lone.encode() + b"}]}",
+         "'messages[0].content': holds a lone surrogate"),
+        ("key", b'{"metadata": {' + lone.encode() + b': 1}}', "'metadata': a key holds"),
+    ]:  # fmt: skip
+        with pytest.raises(RequestError) as e:
+            loads(data)
+        assert says in str(e.value), path
+    assert loads(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}  # a pair is a character
+    deep = "[" * 500 + "]" * 500
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]
+    e = refusal(ChatCompletions, messages=[{"role": "user", "content": "x"},
+                                           {"role": "assistant", "tool_calls": calls}])  # fmt: skip
+    assert "'messages[1].tool_calls[0].arguments' is nested deeper than 64" in str(e)
+    e = refusal(Responses, input=[{"type": "function_call", "name": "f", "call_id": "c",
+                                   "arguments": "[" * 100_000}])  # fmt: skip
+    assert "'input[0].arguments' is nested deeper" in str(e)
+    e = refusal(ChatCompletions, messages=[{"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": '{"a": "\\udfff"}'}}]}])  # fmt: skip
+    assert "'messages[0].tool_calls[0].arguments.a': holds a lone surrogate" in str(e)
+    assert "not a token id" in str(refusal(ChatCompletions, logit_bias={"\u00b2": 1}))
+    for bad in ("x", [], 3, {"include_usage": "yes"}):
+        assert "stream_options" in str(refusal(ChatCompletions, stream=True, stream_options=bad))
+    assert parse(Completions, stream_options={"include_usage": True})
+    door = Door(frozenset({"m", "/Users/me/models/m"}), 1000, "m")
+    with pytest.raises(RequestError) as e:
+        ChatCompletions().parse({**CHAT, "model": "x"}, door)
+    assert e.value.status == 404 and "/Users" not in str(e.value) and "'m'" in str(e.value)
+
+
+def test_a_body_of_a_million_values_is_refused_before_it_is_built():
+    data = b"[" + b",".join([b"[]"] * 1_100_000) + b"]"
+    with pytest.raises(RequestError, match="holds 2200001 JSON values"):
+        loads(data)
+    text = json.dumps({"messages": [{"role": "user", "content": "a, [b], {c}" * 200_000}]})
+    assert len(loads(text.encode())["messages"][0]["content"]) == 11 * 200_000  # strings: 1 each
+
+
+surrogates = st.sampled_from(["\ud800", "\udfff", "a\udc80b", "\ud83d"])
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | surrogates
+    | st.sampled_from(["\u00b2", "\u0663", "[" * 80 + "]" * 80]),
     lambda inner: (
         st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
     ),  # fmt: skip
@@ -120,7 +171,16 @@ field_names = st.sampled_from(
      "stop_sequences", "temperature", "top_p", "top_k", "seed", "min_p", "tools",
      "tool_choice", "logprobs", "top_logprobs", "n", "stream", "system", "instructions",
      "logit_bias", "response_format", "reasoning", "thinking", "chat_template_kwargs",
-     "repetition_penalty", "presence_penalty", "max_completion_tokens", "include"]
+     "repetition_penalty", "presence_penalty", "max_completion_tokens", "include",
+     "stream_options", "text", "metadata", "tool_calls"]
+)  # fmt: skip
+calls = st.lists(  # tool calls whose arguments are JSON text: deep, odd or with a surrogate
+    st.fixed_dictionaries({"function": st.fixed_dictionaries({
+        "name": st.text(max_size=4),
+        "arguments": st.sampled_from(["{}", "[" * 70 + "]" * 70, '{"a": "\\ud800"}',
+                                      '{"a": {"b": [1, 2.5, null]}}', "not json", "[" * 3000]),
+    })}),
+    max_size=2,
 )  # fmt: skip
 messages = st.lists(
     st.fixed_dictionaries(
@@ -128,7 +188,13 @@ messages = st.lists(
             "role": st.sampled_from(["user", "assistant", "system", "tool", "developer", 3]),
             "content": json_values,
         },  # fmt: skip
-        optional={"tool_calls": json_values, "name": json_values, "type": json_values},
+        optional={
+            "tool_calls": json_values | calls,
+            "name": json_values,
+            "type": json_values,
+            "arguments": json_values,
+            "call_id": json_values,
+        },  # fmt: skip
     ),
     max_size=3,
 )
@@ -152,14 +218,20 @@ bodies = st.one_of(
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=bodies)
 def test_any_json_body_is_a_4xx_or_a_request_that_travels(body):
+    """Through the door as the server takes it (bytes, then loads); a request that passes
+    encodes as rank 0 gets it and as every rank gets it (share_object's encoder)."""
+    from node.share import encode
+
     for endpoint in (ChatCompletions, Completions, Responses, Messages, CountTokens):
         try:
-            request = endpoint().parse(json.loads(json.dumps(body)), DOOR)
+            data = json.dumps(body).encode()  # ensure_ascii: a surrogate travels as an escape
+            request = endpoint().parse(loads(data), DOOR)
         except RequestError as e:
             assert 400 <= e.status < 500 and str(e)
             continue
         assert isinstance(request, ServeRequest)
-        json.dumps(to_dict(request))  # what goes to rank 0 is plain JSON
+        line = json.dumps(to_dict(request))  # what goes to rank 0 is plain JSON
+        encode(json.loads(line))  # and what rank 0 shares: valid Unicode, no surrogate
         s = request.sampling
         assert 1 <= s.max_tokens <= DOOR.max_tokens_cap
         for name, allowed in RANGES.items():

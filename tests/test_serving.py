@@ -38,7 +38,7 @@ def start_job(svc: Service, sent: list[bytes]) -> None:
 def request(stream: bool) -> ApiRequest:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
     chat = ChatCompletions()
-    return ApiRequest(chat, chat.parse(body, Door(frozenset({"m"}))), stream, "m", body)
+    return ApiRequest(chat, chat.parse(body, Door(frozenset({"m"}))), stream, "m", chat.echo(body))
 
 
 def drain(req: ApiRequest) -> list:

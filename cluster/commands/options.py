@@ -25,6 +25,7 @@ from cluster.core.spec import (
     default,
     pick,
 )
+from cluster.core.text import valid_text
 from cluster.job.launcher import LaunchError, run_job
 
 STARTED = time.perf_counter()
@@ -87,12 +88,29 @@ def read_tools(ctx, param, path: str | None) -> list | None:
     if path is None:
         return None
     try:
-        tools = json.loads(open(path).read())
-    except (OSError, json.JSONDecodeError) as e:
+        with open(path, encoding="utf-8") as f:
+            # a "\ud800" escape decodes to a lone surrogate: made U+FFFD, as the API refuses it
+            tools = json.loads(f.read(), object_hook=valid_strings)
+    except (OSError, ValueError) as e:
         raise click.BadParameter(f"{path}: {e}") from None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise click.BadParameter(f"{path}: want a JSON list of tool objects, like OpenAI's `tools`")
     return tools
+
+
+def valid_strings(obj: dict) -> dict:
+    """A JSON object with its keys and string values made valid Unicode (a json hook)."""
+    return {
+        valid_text(k): [valid_text(x) if isinstance(x, str) else x for x in v]
+        if isinstance(v, list)
+        else (valid_text(v) if isinstance(v, str) else v)
+        for k, v in obj.items()
+    }
+
+
+def names_list(value: str | None) -> list[str]:
+    """A comma-separated option as its items (blanks dropped)."""
+    return [x.strip() for x in (value or "").split(",") if x.strip()]
 
 
 def read_image(ctx, param, path: str | None) -> bytes | None:
@@ -445,6 +463,26 @@ SERVE = {  # ServeSettings
         show_default=True,
         help="Seconds a request's line, headers and body may take to arrive (then the "
         "connection is closed): a slow client cannot hold the server.",
+    ),
+    "allowed_hosts": click.option(
+        "--allowed-hosts",
+        multiple=True,
+        default=(),
+        callback=lambda _ctx, _param, v: [x for item in v for x in names_list(item)],
+        metavar="NAMES",
+        help="Host names the API answers to besides loopback, IP addresses and this machine's "
+        "own names (repeat it, or comma-separate; '*' for any): a request whose Host header names "
+        "another gets 403, so a web page cannot reach the API through DNS rebinding. Add the "
+        "name a reverse proxy or your LAN uses for this machine.",
+    ),
+    "cors_origins": click.option(
+        "--cors-origins",
+        multiple=True,
+        default=(),
+        callback=lambda _ctx, _param, v: [x for item in v for x in names_list(item)],
+        metavar="ORIGINS",
+        help="Browser origins (e.g. http://localhost:3000; repeat it or comma-separate; '*' "
+        "for any) that may call the API from a web page; any other page's request gets 403.",
     ),
     "drain_timeout": click.option(
         "--drain-timeout",

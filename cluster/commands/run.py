@@ -30,6 +30,7 @@ from cluster.core.spec import (
     default,
     pick,
 )
+from cluster.core.text import valid_text
 from cluster.job.state import JobResult
 
 
@@ -37,11 +38,16 @@ def job_spec(command: str, values: dict, **fields) -> JobSpec:
     """The JobSpec of a command, from its keyword arguments (each dataclass takes the ones
     named like its fields)."""
     request = Request(
-        prompt=values.pop("prompt", ""),
+        prompt=valid_text(values.pop("prompt", "")),
         sampling=pick(Sampling, values),
         template=pick(Template, values),
         image=values.pop("image", None),
     )
+    # argv and stdin may hold bytes that are not UTF-8: Python keeps them as lone surrogates,
+    # which no encoder on the way to the ranks takes
+    request.sampling.stop = [valid_text(s) for s in request.sampling.stop]
+    if request.template.system is not None:
+        request.template.system = valid_text(request.template.system)
     spec = JobSpec(
         model=model_or_default(values.pop("model")),
         command=command,
@@ -111,7 +117,7 @@ def launch(prompt, logits, as_json, **values):
     if prompt is None or prompt == "-":
         if sys.stdin.isatty():
             click.echo("mlx-cluster: reading the prompt from stdin (end with Ctrl-D)", err=True)
-        prompt = sys.stdin.read()
+        prompt = sys.stdin.buffer.read().decode("utf-8", "replace")
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
     spec = job_spec("logits" if logits else "generate", {**values, "prompt": prompt})
@@ -184,6 +190,8 @@ def chat(prompt_cache_gb, **values):
     "max_body_mb",
     "max_connections",
     "read_timeout",
+    "allowed_hosts",
+    "cors_origins",
     "drain_timeout",
     "max_restarts",
     "restart_window_s",

@@ -80,6 +80,8 @@ class ServeSettings:
     max_body_mb: float = 16.0  # the largest request body
     max_connections: int = 256  # open HTTP connections at once (503 past it)
     read_timeout: float = 30.0  # a request's line, headers and body must arrive within this
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names besides loopback's
+    cors_origins: list[str] = field(default_factory=list)  # browser origins the API answers
 
 
 @dataclass

@@ -331,6 +331,7 @@ class HostResult:
     transport: str | None = None  # local, ssh or tcp: how the bytes reached this host
     upstream: int | None = None  # the host that passed the files on (None: this machine)
     address: str | None = None  # where the upstream host reached this one
+    stored_sha256: dict[str, str | None] = field(default_factory=dict)  # as the host computed
 
     @property
     def bytes_sent(self) -> int:
@@ -588,6 +589,22 @@ class Copy:
                 r.stop()
         for t in collectors:
             t.join()
+        for i in chain:
+            self.check_stored(i)
+
+    def check_stored(self, index: int) -> None:
+        """Each file a host stored, against the sha256 this machine computed of the source:
+        the host checked its copy against the stream's trailer, which a TCP link between hosts
+        carries along with the bytes; its own sha256 comes back over SSH."""
+        result = self.results[index]
+        for name, theirs in result.stored_sha256.items():
+            ours = self.hashes.known(name)
+            if ours is not None and theirs is not None and theirs != ours:
+                self.fail(index, f"{name}: the copy's sha256 ({theirs[:12]}...) is not the "
+                                 f"source's ({ours[:12]}...): the stream was changed on its "
+                                 "way; check the rig's links and run sync again (the copy "
+                                 "is sent again)")  # fmt: skip
+                return
 
     def connect_chain(self, chain: list[int], receivers: list[ReceiverHandle]):
         """Each host after the first listens on its rig addresses for the one before it, with
@@ -647,6 +664,7 @@ class Copy:
                     return
                 if message["op"] == "stored":
                     by_name[message["name"]].sent = message["sent"]
+                    result.stored_sha256[message["name"]] = message.get("sha256")
                 elif message["op"] == "bad":
                     raise OSError(f"{message['name']}: {message['error']}")
         except OSError as e:

@@ -175,6 +175,7 @@ class Receiver:
         and mtime still match, else read again), and how much of each .part there is. A file
         shorter than the source's (an interrupted or truncated copy) becomes the .part."""
         paths = {name: inside(self.dir, name) for name in sizes}  # all, before any change
+        parts = {name: inside(self.dir, name + PART) for name in sizes}  # a linked .part too
         os.makedirs(self.dir, exist_ok=True)
         manifest = read_manifest(self.dir)
         files = {}
@@ -185,8 +186,8 @@ class Receiver:
             except FileNotFoundError:
                 there = None
             if there is not None and there < size:
-                if there > _size_or_zero(path + PART):
-                    os.replace(path, path + PART)
+                if there > _size_or_zero(parts[name]):
+                    os.replace(path, parts[name])
                 else:
                     os.unlink(path)
                 update_manifest(self.dir, name, None)
@@ -209,9 +210,9 @@ class Receiver:
                     info["sha256"] = hash_prefix(path, st.st_size).hexdigest()
                     entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
                     update_manifest(self.dir, name, {**entry, "sha256": info["sha256"]})
-            part = _size_or_zero(path + PART)
+            part = _size_or_zero(parts[name])
             if part:
-                digest = hash_prefix(path + PART, part)
+                digest = hash_prefix(parts[name], part)
                 self.prefixes[name] = (part, digest)
                 info["part"], info["part_sha256"] = part, digest.hexdigest()
             files[name] = info
@@ -360,7 +361,7 @@ class Writer:
                 self.last = time.monotonic()
                 f = digest = None
                 if keep:
-                    part = inside(r.dir, entry["name"]) + PART
+                    part = inside(r.dir, entry["name"] + PART)
                     offset = entry["offset"]
                     known = r.prefixes.pop(entry["name"], None)
                     f = open(part, "r+b" if offset else "wb", buffering=0)
@@ -396,7 +397,7 @@ class Writer:
         f.close()
         name = entry["name"]
         final = inside(r.dir, name)
-        part = final + PART
+        part = inside(r.dir, name + PART)
         if self.received - self.reported:
             r.reply(op="progress", n=self.received - self.reported)
         if digest.hexdigest() != sha:
@@ -408,7 +409,9 @@ class Writer:
         st = os.stat(final)
         record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
         update_manifest(r.dir, name, record)
-        r.reply(op="stored", name=name, sent=self.received)
+        # the sha256 this host computed goes back over SSH: the trailer it was checked against
+        # came in the stream it protects (a TCP link between hosts carries both)
+        r.reply(op="stored", name=name, sent=self.received, sha256=sha)
 
 
 def widen_pipe(fd: int) -> None:

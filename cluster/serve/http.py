@@ -3,16 +3,22 @@
 endpoints of cluster/serve/api/ (openai.py, responses.py, anthropic.py); GET /v1/models,
 /health and /metrics are its own.
 
-What a client sends is bounded here before anything else sees it: the key is checked before
-the body is read; a request's line, headers and body must arrive within ``read_timeout``; a
-body is at most ``max_body_bytes``; at most ``max_connections`` are open at once (503 past
-it). A client that leaves while its request waits, is prefilled or is decoded is noticed
-within POLL_S and its request cancelled on every rank.
+What a client sends is bounded here before anything else sees it: the Host header must name
+this server and a browser's Origin must be this server's own (or ``--cors-origins``), so that
+no web page the user opens can reach the API (DNS rebinding, a form posted across origins);
+the key is checked before the body is read; a request's line, headers and body must arrive
+within ``read_timeout``; a body is at most ``max_body_bytes`` and JSON routes take only
+``application/json``; at most ``max_connections`` are open at once (503 past it), and the
+listen backlog holds that many arriving at once. A body that is not read (a refusal first)
+closes the connection, so no byte of it is taken for the next request. A client that leaves
+while its request waits, is prefilled or is decoded is noticed within POLL_S and its request
+cancelled on every rank.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import queue
 import select
@@ -35,6 +41,7 @@ from cluster.serve.api.shared import (
     ApiRequest,
     Endpoint,
     RequestError,
+    ascii_digits,
     error_body,
     loads,
 )
@@ -63,8 +70,12 @@ class Api:
         read_timeout: float = 30.0,
         max_connections: int = 256,
         keepalive_s: float = KEEPALIVE_S,
+        allowed_hosts: list[str] = (),
+        cors_origins: list[str] = (),
     ):
         self.keepalive_s = keepalive_s
+        self.hosts = own_names(host) | {h.lower().rstrip(".") for h in allowed_hosts}
+        self.origins = {o.rstrip("/").lower() for o in cors_origins}
         self.key = api_key.encode() if api_key is not None else None
         self.service = service
         self.max_body_bytes = max_body_bytes
@@ -101,6 +112,83 @@ class Api:
             key, self.key
         )
 
+    def host_allowed(self, headers) -> bool:
+        """One Host header that names this server: an IP address, a loopback name, one of
+        this machine's names, or one of ``--allowed-hosts`` (a name another site's page
+        could resolve to 127.0.0.1 is none of these). No header at all: not a browser."""
+        hosts = headers.get_all("Host") or []
+        if len(hosts) > 1:
+            return False
+        host = hosts[0] if hosts else None
+        if host is None or "*" in self.hosts:
+            return True
+        name = host_name(host)
+        if name is None:
+            return False
+        try:
+            ipaddress.ip_address(name)
+            return True
+        except ValueError:
+            pass
+        return name in self.hosts or name == "localhost" or name.endswith(".localhost")
+
+    def origin_allowed(self, origin: str | None, host: str | None) -> bool:
+        """A browser's Origin: absent (not a browser, or a same-origin GET), this server's
+        own (the page at /), or one of ``--cors-origins``."""
+        if origin is None:
+            return True
+        origin = origin.rstrip("/").lower()
+        if "*" in self.origins or origin in self.origins:
+            return True
+        return host is not None and origin in (f"http://{host.lower()}", f"https://{host.lower()}")
+
+
+def own_names(bound: str) -> set[str]:
+    """The names this machine answers to: the address bound, its host name (and .local)."""
+    names = {bound.lower().strip("[]")}
+    try:
+        hostname = socket.gethostname().lower()
+    except OSError:
+        hostname = ""
+    if hostname:
+        short = hostname.split(".")[0]
+        names |= {hostname, short, f"{short}.local"}
+    return names
+
+
+def host_name(host: str) -> str | None:
+    """The name in a Host header (``name``, ``name:port``, ``[v6]:port``), lowercased."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        return host[1:end] if end > 0 else None
+    name, _, port = host.partition(":")
+    if port and not ascii_digits(port):
+        return None
+    return name.rstrip(".") or None
+
+
+def raise_open_files(connections: int) -> str | None:
+    """Let this process open a descriptor per connection and then some (macOS starts a
+    shell's processes at 256); a sentence when it cannot."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    wanted = connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return None
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        target = soft
+    if target < wanted:
+        return (f"this process may open {target} files, fewer than --max-connections "
+                f"{connections} needs ({wanted}); raise it with `ulimit -n {wanted}`")  # fmt: skip
+    return None
+
 
 def raw(value: str) -> bytes:
     """A header value as the bytes that came (http.server decodes them as Latin-1)."""
@@ -121,6 +209,9 @@ class Server(ThreadingHTTPServer):
     def __init__(self, address, handler, api: Api, max_connections: int):
         self.api = api
         self.slots = threading.BoundedSemaphore(max_connections)
+        # clients connecting at once wait in the kernel's queue, not refused (socketserver's
+        # default backlog is 5: a burst of 64 clients saw connections reset)
+        self.request_queue_size = max(128, max_connections)
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
@@ -147,6 +238,17 @@ class Server(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+
+
+def readable(sock: socket.socket) -> bool:
+    """Whether a read would not block (poll: select() cannot watch a descriptor past 1023,
+    which a busy server's connections reach)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        return bool(poller.poll(0))
+    readable, _, _ = select.select([sock], [], [], 0)  # Windows: no poll
+    return bool(readable)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -185,11 +287,14 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
     def do_GET(self):
+        self.discard_body()
         self.reading.cancel()
         path = self.path.split("?")[0].rstrip("/")
+        if not self.api.host_allowed(self.headers):
+            return self.refuse_host()
         if path == "" or path.startswith("/page/"):  # the page loads without the key
             return self.page(path.removeprefix("/page/") or "index.html")
-        if not self.authorized(None):
+        if not self.origin_ok(None) or not self.authorized(None):
             return
         service = self.service
         if path == "/v1/cluster":
@@ -218,12 +323,23 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         endpoint = self.api.routes.get(self.path.split("?")[0].rstrip("/"))
-        if not self.authorized(endpoint):
+        if not self.api.host_allowed(self.headers):
+            return self.refuse_host(endpoint)
+        if not self.origin_ok(endpoint) or not self.authorized(endpoint):
             return
         service = self.service
         try:
             if endpoint is None:
+                self.discard_body()
                 raise RequestError(404, f"no route {self.path[:200]}", "not_found_error")
+            kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                self.close_connection = True  # its body is not read
+                raise RequestError(
+                    415,
+                    f"send the body as JSON with 'Content-Type: application/json' (got "
+                    f"{kind[:60] or 'none'!r})",
+                )
             body = loads(self.read_body())
             self.reading.cancel()
             request = endpoint.parse(body, service.door)
@@ -231,7 +347,8 @@ class Handler(BaseHTTPRequestHandler):
             service.metrics.finished(e.status)
             return self.error(e, endpoint)
         stream = bool(body.get("stream")) and request.kind != "count"
-        req = ApiRequest(endpoint, request, stream, service.model_id, body)
+        req = ApiRequest(endpoint, request, stream, service.model_id, endpoint.echo(body))
+        del body  # what the answer repeats is in req.echo; the rest is not kept
         service.submit(req)
         try:
             if req.stream:
@@ -241,6 +358,76 @@ class Handler(BaseHTTPRequestHandler):
         except GONE:  # the client went away
             self.close_connection = True
             service.cancel(req)
+
+    def do_OPTIONS(self):
+        """A browser's preflight, answered for ``--cors-origins`` only."""
+        self.discard_body()
+        self.reading.cancel()
+        origin = self.headers.get("Origin")
+        if not self.api.host_allowed(self.headers):
+            return self.refuse_host()
+        if origin is None or not self.api.origin_allowed(origin, self.headers.get("Host")):
+            why = "this origin may not call the API (serve --cors-origins)"
+            return self.error(RequestError(403, why, "permission_error"))
+        self.send_response(204)
+        self.cors_headers()
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        asked = self.headers.get("Access-Control-Request-Headers", "")
+        self.send_header("Access-Control-Allow-Headers", asked[:1000] or "Content-Type")
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def cors_headers(self) -> None:
+        origin = self.headers.get("Origin")
+        if origin is not None and self.api.origins:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+
+    def refuse_host(self, endpoint: Endpoint | None = None) -> None:
+        self.close_connection = True  # its body (if any) is not read
+        self.service.metrics.finished(403)
+        shown = (self.headers.get("Host") or "")[:100]
+        self.error(RequestError(
+            403,
+            f"this server does not answer to the host name {shown!r}; if that name is "
+            "yours, start serve with --allowed-hosts NAME",
+            "permission_error",
+        ), endpoint)  # fmt: skip
+
+    def origin_ok(self, endpoint: Endpoint | None) -> bool:
+        """A web page of another origin may not use the API (unless --cors-origins)."""
+        origin = self.headers.get("Origin")
+        if self.api.origin_allowed(origin, self.headers.get("Host")):
+            return True
+        self.close_connection = True
+        self.service.metrics.finished(403)
+        self.error(RequestError(
+            403,
+            f"a web page of {origin[:100]!r} may not call this API; start serve with "
+            "--cors-origins ORIGIN to allow it",
+            "permission_error",
+        ), endpoint)  # fmt: skip
+        return False
+
+    def discard_body(self) -> None:
+        """A body that a route does not read is read and dropped when it is small, else the
+        connection closes after the answer: its bytes never become the next request."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            return
+        text = self.headers.get("Content-Length")
+        if text is None:
+            return
+        text = text.strip()
+        if not ascii_digits(text) or len(text) > 18 or int(text) > 1 << 20:
+            self.close_connection = True
+            return
+        size = int(text)
+        while size > 0 and (chunk := self.rfile.read(min(size, 1 << 16))):
+            size -= len(chunk)
+        if size:
+            self.close_connection = True
 
     def page(self, name: str) -> None:
         """The page's own files (shipped in cluster/serve/page/; no CDN: a rig may have no
@@ -269,7 +456,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise RequestError(411, "send the body with a Content-Length, not chunked")
         text = self.headers.get("Content-Length", "0").strip()
-        if not text.isdigit() or len(text) > 18:
+        if not ascii_digits(text) or len(text) > 18:
             self.close_connection = True
             raise RequestError(400, f"bad Content-Length {text[:40]!r}")
         size, most = int(text), self.api.max_body_bytes
@@ -294,6 +481,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         for name, value in headers:
             self.send_header(name, value)
+        self.cors_headers()
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
@@ -329,8 +517,7 @@ class Handler(BaseHTTPRequestHandler):
         pipelining is waiting in front of the end)."""
         sock = self.connection
         try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+            return readable(sock) and sock.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
 
@@ -360,6 +547,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
+        self.cors_headers()
         self.end_headers()
         self.close_connection = True
         events = req.endpoint.events(req)

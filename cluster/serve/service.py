@@ -27,6 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 from cluster.core.hostfile import Host, Hostfile
@@ -55,7 +56,7 @@ from cluster.job.launcher import (
 from cluster.job.memory import fits
 from cluster.job.state import JobState
 from cluster.serve.api.shared import END, RESTART, ApiRequest, Door, RequestError
-from cluster.serve.http import Api
+from cluster.serve.http import Api, raise_open_files
 from cluster.serve.metrics import Metrics
 
 REAP_EVERY_S = 0.25
@@ -129,7 +130,10 @@ class Service:
         self.model_id = model_id(spec.model)
         self.spec = spec
         self.settings = spec.serve
-        self.door = Door(frozenset({self.model_id, spec.model}), spec.serve.max_tokens_cap)
+        self.door = Door(
+            frozenset({self.model_id, spec.model}), spec.serve.max_tokens_cap, self.model_id
+        )
+        self.private = private_paths(spec.model, self.model_id)
         self.stderr = stderr
         self.hosts_total = len(hostfile.hosts)
         self.all_hosts = list(hostfile.hosts)  # the hostfile's, those left out included
@@ -390,7 +394,7 @@ class Service:
             req.failures_seen += 1
             if req.stream and flight.shown:
                 message = f"the answer was cut: {why}; the ranks restart; send the request again"
-                req.chunks.put(RequestError(502, message, "server_error"))
+                req.chunks.put(self.public(RequestError(502, message, "server_error")))
                 self.metrics.finished("stream_error")
                 cut += 1
             elif req.failures_seen > MOST_FAILURES_SEEN:
@@ -450,16 +454,50 @@ class Service:
             self.metrics.queued.set(len(self.pending))
 
     def send(self, req: ApiRequest) -> None:
+        """To rank 0; a request that cannot be written as a line fails alone (before it is
+        in flight: nothing would ever end it)."""
+        try:
+            line = json.dumps({"op": "request", "request": to_dict(req.to_rank0())})
+        except (ValueError, TypeError, RecursionError) as e:
+            message = f"the request cannot be passed to the ranks ({type(e).__name__})"
+            self.refuse(req, RequestError(400, message))
+            return
         self.inflight[req.id] = Flight(req)
-        self.write({"op": "request", "request": to_dict(req.to_rank0())})
+        if self.outbox is not None:
+            self.outbox.put(line.encode() + b"\n")
 
     def write(self, message: dict) -> None:
         if self.outbox is not None:
             self.outbox.put(json.dumps(message).encode() + b"\n")
 
     def refuse(self, req: ApiRequest, e: RequestError) -> None:
-        req.chunks.put(e)
+        req.chunks.put(self.public(e))
         self.metrics.finished(e.status)
+
+    def public(self, e: RequestError) -> RequestError:
+        """The error as a client may read it: no folder of this machine in it (the model's
+        path becomes its id, the home folder ~)."""
+        text = str(e)
+        for path, shown in self.private:
+            text = text.replace(path, shown)
+        if text == str(e):
+            return e
+        return RequestError(e.status, text, e.kind, e.retry_after)
+
+
+def private_paths(model: str, shown: str) -> list[tuple[str, str]]:
+    """(text, what a client sees instead): the model's folder, as given and resolved, and
+    the home folder; longest first, so a folder inside another is replaced whole."""
+    out = {}
+    folder = Path(model).expanduser()
+    if folder.exists():
+        for p in {model, str(folder), str(folder.resolve())}:
+            if len(p) > 1:
+                out[p] = shown
+    home = str(Path.home())
+    if len(home) > 1:
+        out[home] = "~"
+    return sorted(out.items(), key=lambda item: -len(item[0]))
 
 
 def first_line(error: LaunchError) -> str:
@@ -504,11 +542,15 @@ def serve_until_done(
             max_body_bytes=int(settings.max_body_mb * (1 << 20)),
             read_timeout=settings.read_timeout,
             max_connections=settings.max_connections,
+            allowed_hosts=settings.allowed_hosts,
+            cors_origins=settings.cors_origins,
         )
     except OSError as e:
         log(stderr, f"cannot listen on {settings.host}:{settings.port} ({e.strerror}); "
                     "pass another --port")  # fmt: skip
         return 2
+    if warning := raise_open_files(settings.max_connections):
+        log(stderr, f"warning: {warning}")
     api.start()
     host, port = api.address
     service.url = f"http://{host}:{port}/v1"

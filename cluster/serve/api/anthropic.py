@@ -180,7 +180,7 @@ def tool_input(call: ToolCall) -> dict:
 class Messages:
     def parse(self, body: Any, door: Door) -> ServeRequest:
         body = check_object(body)
-        check_model(body, door.model_ids)
+        check_model(body, door)
         most = max_tokens(body, door, "max_tokens")
         if most is None:
             raise RequestError(400, "max_tokens: Field required")
@@ -216,6 +216,9 @@ class Messages:
 
     def error_body(self, e: RequestError) -> dict:
         return error_body(e)
+
+    def echo(self, body: dict) -> dict:
+        return {}
 
 
 def tool_use(req: ApiRequest, call: ToolCall) -> dict:
@@ -361,7 +364,7 @@ class CountTokens:
 
     def parse(self, body: Any, door: Door) -> ServeRequest:
         body = check_object(body)
-        check_model(body, door.model_ids)
+        check_model(body, door)
         return ServeRequest(
             id="",
             kind="count",
@@ -381,3 +384,6 @@ class CountTokens:
 
     def error_body(self, e: RequestError) -> dict:
         return error_body(e)
+
+    def echo(self, body: dict) -> dict:
+        return {}

@@ -28,6 +28,7 @@ from cluster.serve.api.shared import (
     check_object,
     error_body,
     function_tool,
+    include_usage,
     logit_bias,
     max_tokens,
     number,
@@ -142,7 +143,7 @@ def chat_message(m: Any, i: int) -> dict:
                 raise RequestError(400, f"{where}: each tool call needs a function and its name")
             triples.append((call.get("id"), function["name"], function.get("arguments", "{}")))
         if triples:
-            out["tool_calls"] = assistant_calls(triples)
+            out["tool_calls"] = assistant_calls(triples, f"{where}.tool_calls")
         if isinstance(m.get("reasoning_content"), str):
             out["reasoning_content"] = m["reasoning_content"]
     elif role == "tool":
@@ -186,12 +187,13 @@ def template_switches(body: dict) -> dict:
 class ChatCompletions:
     def parse(self, body: Any, door: Door) -> ServeRequest:
         body = check_object(body)
-        check_model(body, door.model_ids)
+        check_model(body, door)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "'messages' must be a non-empty list")
         check_count(messages, MAX_MESSAGES, "messages")
         check_n(body)
+        include_usage(body)
         check_response_format(body.get("response_format"), "response_format")
         tools = chat_tools(body.get("tools"), body.get("tool_choice"))
         chosen = sampling(
@@ -235,6 +237,9 @@ class ChatCompletions:
 
     def error_body(self, e: RequestError) -> dict:
         return error_body(e)
+
+    def echo(self, body: dict) -> dict:
+        return {"include_usage": include_usage(body)}
 
 
 def tool_call(req: ApiRequest, call: ToolCall, streaming: bool = False) -> dict:
@@ -288,8 +293,7 @@ class ChatStream:
 
     def end(self, answer: Answer):
         yield self.chunk({}, answer.result["finish_reason"])
-        options = self.req.body.get("stream_options") or {}
-        if options.get("include_usage"):
+        if self.req.echo.get("include_usage"):
             usage = body_of(self.req, "chat.completion.chunk", [], answer.result)
             usage.pop("timings", None)
             yield None, usage
@@ -318,13 +322,14 @@ def legacy_logprobs(entries: list[dict], offset: int = 0) -> dict:
 class Completions:
     def parse(self, body: Any, door: Door) -> ServeRequest:
         body = check_object(body)
-        check_model(body, door.model_ids)
+        check_model(body, door)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise RequestError(400, "'prompt' must be a non-empty string")
         check_n(body)
+        include_usage(body)
         if body.get("echo"):
             raise RequestError(400, "'echo' is not supported")
         if (body.get("best_of") or 1) != 1:
@@ -363,6 +368,9 @@ class Completions:
     def error_body(self, e: RequestError) -> dict:
         return error_body(e)
 
+    def echo(self, body: dict) -> dict:
+        return {"include_usage": include_usage(body)}
+
 
 class CompletionStream:
     done = b"data: [DONE]\n\n"
@@ -390,8 +398,7 @@ class CompletionStream:
 
     def end(self, answer: Answer):
         yield self.chunk("", answer.result["finish_reason"])
-        options = self.req.body.get("stream_options") or {}
-        if options.get("include_usage"):
+        if self.req.echo.get("include_usage"):
             usage = body_of(self.req, "text_completion", [], answer.result)
             usage.pop("timings", None)
             yield None, usage

@@ -36,6 +36,8 @@ from cluster.serve.api.shared import (
 
 SAMPLING_FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+ECHOED = ("instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
+          "max_output_tokens", "reasoning", "text", "metadata")  # fmt: skip
 
 
 def input_messages(body: dict) -> list[dict]:
@@ -70,10 +72,14 @@ def input_messages(body: dict) -> list[dict]:
             call = (item.get("call_id"), item["name"], item.get("arguments", "{}"))
             last = messages[-1] if messages else None
             if last and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"] += assistant_calls([call])
+                last["tool_calls"] += assistant_calls([call], where, indexed=False)
             else:
                 messages.append(
-                    {"role": "assistant", "content": "", "tool_calls": assistant_calls([call])}
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": assistant_calls([call], where, indexed=False),
+                    }
                 )
         elif kind == "function_call_output":
             output = item.get("output")
@@ -113,7 +119,7 @@ def response_tools(tools: Any, choice: Any) -> list | None:
 class Responses:
     def parse(self, body: Any, door: Door) -> ServeRequest:
         body = check_object(body)
-        check_model(body, door.model_ids)
+        check_model(body, door)
         if body.get("previous_response_id") is not None:
             raise RequestError(
                 400,
@@ -158,6 +164,9 @@ class Responses:
     def error_body(self, e: RequestError) -> dict:
         return error_body(e)
 
+    def echo(self, body: dict) -> dict:
+        return {k: body[k] for k in ECHOED if k in body}
+
 
 def reasoning_item(req: ApiRequest, text: str, done: bool = True) -> dict:
     return {
@@ -197,7 +206,7 @@ def function_item(req: ApiRequest, call: ToolCall, done: bool = True) -> dict:
 def response_body(req: ApiRequest, output: list[dict], result: dict | None,
                   status: str | None = None) -> dict:  # fmt: skip
     """The response object: in progress (no result yet) or ended (its usage, its status)."""
-    body = req.body
+    body = req.echo
     incomplete = None
     if result is not None:
         reason = result.get("finish_reason")

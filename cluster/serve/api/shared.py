@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import queue
+import re
 import secrets
 import time
 from collections.abc import Iterable
@@ -36,6 +37,8 @@ MAX_MESSAGES = 10_000  # messages (or input items) per request
 MAX_PARTS = 1_000  # content parts (blocks) per message, tools per request
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_DEPTH = 64  # nesting of objects and lists in a body (tool schemas are the deepest)
+MAX_VALUES = 1_000_000  # JSON values in a body: each is ~60 bytes as a Python object
+SCAN_VALUES_FROM = 1 << 20  # bodies from this size are counted before they are parsed
 END = object()  # the answer is complete (its stats are in ApiRequest.result)
 RESTART = object()  # the ranks restarted: a non-streaming answer starts again
 
@@ -71,6 +74,10 @@ class Endpoint(Protocol):
         """A stream's events, one answer's worth."""
 
     def error_body(self, e: RequestError) -> dict: ...
+
+    def echo(self, body: dict) -> dict:
+        """What of the (parsed, checked) body its answer repeats: the body itself is not
+        kept while the request lives."""
 
 
 KEEPALIVE = b": keepalive\n\n"  # an SSE comment: every client's parser skips it
@@ -112,13 +119,13 @@ class Answer:
             self.tool_calls.append(item)
 
 
-@dataclass
+@dataclass(eq=False)  # one request is itself only: never compared field by field
 class ApiRequest:
     endpoint: Endpoint
     request: ServeRequest  # what rank 0 gets (its id is set from ours)
     stream: bool
     model: str  # the id answers name
-    body: dict = field(default_factory=dict)
+    echo: dict = field(default_factory=dict)  # the body's fields its answer repeats
     chunks: queue.Queue = field(default_factory=queue.Queue)  # events, then END (see above)
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
@@ -142,10 +149,12 @@ def call_id(call: ToolCall, prefix: str, req: ApiRequest) -> str:
 @dataclass(frozen=True)
 class Door:
     """What a dialect checks a body against: the model ids served here and the server's caps
-    (serve's options)."""
+    (serve's options). ``shown`` is the id an error names (never a local path: the model may
+    be served from one, and a client needs no folder of the server's)."""
 
     model_ids: frozenset[str]
     max_tokens_cap: int = MAX_TOKENS_CAP
+    shown: str = ""
 
 
 @dataclass(frozen=True)
@@ -190,11 +199,16 @@ LOGIT_BIAS = Range(-100, 100)
 
 def loads(data: bytes) -> Any:
     """A request body as JSON: NaN and Infinity (which Python's json takes) are refused, and
-    so are bodies nested deeper than MAX_DEPTH."""
+    so are bodies nested deeper than MAX_DEPTH, holding more than MAX_VALUES values (a 16 MiB
+    body of ``[[],[],...]`` is ~20x that in Python objects) or a string that is not valid
+    Unicode (a lone surrogate escape, which JSON allows: it could not be encoded on the way to
+    the ranks). The field is named."""
 
     def constant(name: str):
         raise RequestError(400, f"the body is not valid JSON: {name} is not a JSON number")
 
+    if len(data) >= SCAN_VALUES_FROM and (n := count_values(data)) > MAX_VALUES:
+        raise RequestError(400, f"the body holds {n} JSON values; at most {MAX_VALUES} are allowed")
     try:
         value = json.loads(data or b"null", parse_constant=constant)
     except RequestError:
@@ -207,16 +221,63 @@ def loads(data: bytes) -> Any:
     return value
 
 
-def check_depth(value: Any) -> None:
-    todo = [(value, 1)]
+STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string (unrolled: linear)
+
+
+def count_values(data: bytes) -> int:
+    """About how many values a JSON text holds (its strings taken out: a comma, a bracket or
+    a brace outside them starts one), without building them."""
+    bare = STRINGS.sub(b"", data)
+    return bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1
+
+
+def check_depth(value: Any, where: str = "the body", most: int = MAX_DEPTH) -> None:
+    """Nesting at most ``most`` deep, and every string (keys too) valid Unicode; a 400 naming
+    the field otherwise."""
+    todo: list[tuple[Any, int, tuple]] = [(value, 1, ())]
     while todo:
-        item, depth = todo.pop()
-        if depth > MAX_DEPTH:
-            raise RequestError(400, f"the body is nested deeper than {MAX_DEPTH} levels")
-        if isinstance(item, dict):
-            todo += [(v, depth + 1) for v in item.values()]
+        item, depth, path = todo.pop()
+        if depth > most:
+            shown = where if where == "the body" else f"'{where}'"
+            raise RequestError(400, f"{shown} is nested deeper than {most} levels")
+        if isinstance(item, str):
+            if not item.isascii() and not valid_unicode(item):
+                raise RequestError(400, f"{field_path(where, path)}: {LONE_SURROGATE}")
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if not k.isascii() and not valid_unicode(k):
+                    raise RequestError(400, f"{field_path(where, path)}: a key {LONE_SURROGATE}")
+                todo.append((v, depth + 1, (*path, k)))
         elif isinstance(item, list):
-            todo += [(v, depth + 1) for v in item]
+            todo += [(v, depth + 1, (*path, i)) for i, v in enumerate(item)]
+
+
+LONE_SURROGATE = (
+    "holds a lone surrogate (a \\ud800-\\udfff escape without its pair), which is not a "
+    "character; send valid Unicode"
+)
+
+
+def valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def field_path(where: str, path: tuple) -> str:
+    """('messages', 0, 'content') as 'messages[0].content' (after ``where``, unless that is
+    the whole body)."""
+    out = "" if where == "the body" else where
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return f"'{out}'" if out else where
+
+
+def ascii_digits(text: str) -> bool:
+    """0-9 only: str.isdigit() also takes "²" and other digits int() refuses."""
+    return text.isascii() and text.isdigit()
 
 
 def check_count(items: list, most: int, name: str) -> list:
@@ -225,15 +286,15 @@ def check_count(items: list, most: int, name: str) -> list:
     return items
 
 
-def check_model(body: dict, model_ids: frozenset[str]) -> None:
+def check_model(body: dict, door: Door) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(400, "'model' must be a string")
-    if model is not None and model not in model_ids:
-        served = ", ".join(sorted(model_ids))
+    if model is not None and model not in door.model_ids:
+        served = door.shown or ", ".join(sorted(door.model_ids))
         raise RequestError(
             404,
-            f"model {model!r} is not served here (this server serves {served}); "
+            f"model {model[:200]!r} is not served here (this server serves {served!r}); "
             "GET /v1/models lists it",
             "not_found_error",
         )
@@ -273,6 +334,19 @@ def max_tokens(body: dict, door: Door, *names: str) -> int | None:
     return None
 
 
+def include_usage(body: dict) -> bool:
+    """OpenAI's ``stream_options``: an object whose ``include_usage`` is a boolean."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise RequestError(400, "'stream_options' must be an object")
+    value = options.get("include_usage")
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(400, "'stream_options.include_usage' must be a boolean")
+    return bool(value)
+
+
 def stop_strings(value: Any, name: str) -> list[str]:
     if value is None:
         return []
@@ -296,7 +370,7 @@ def logit_bias(value: Any) -> dict[str, float] | None:
     check_count(list(value), MAX_LOGIT_BIAS, "logit_bias")
     out = {}
     for key, bias in value.items():
-        if not key.isdigit() or len(key) > 10:
+        if not ascii_digits(key) or len(key) > 10:
             raise RequestError(400, f"'logit_bias': {key[:20]!r} is not a token id")
         if not LOGIT_BIAS.admits(bias):
             raise RequestError(400, f"'logit_bias' of {key}: must be {LOGIT_BIAS.describe()}")
@@ -344,26 +418,39 @@ def function_tool(name: Any, description: Any, parameters: Any, where: str) -> d
     return {"type": "function", "function": function}
 
 
-def arguments_object(arguments: Any) -> Any:
+def arguments_object(arguments: Any, where: str = "a tool call's arguments") -> Any:
     """A tool call's arguments as templates render them: the object, not its JSON text (as
-    mlx_lm.server passes them); text that is not JSON stays as it is."""
+    mlx_lm.server passes them); text that is not JSON stays as it is. The text is a JSON
+    document of its own inside the body: its nesting and strings are checked as the body's
+    (a 500-deep one would fail later, on serve's loop, where no client hears of it)."""
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
+            value = json.loads(arguments)
+        except RecursionError:
+            raise RequestError(400, f"'{where}' is nested deeper than {MAX_DEPTH} levels") from None
+        except ValueError:
             return arguments
+        check_depth(value, where)
+        return value
     return arguments
 
 
-def assistant_calls(calls: list[tuple[str, str, Any]]) -> list[dict]:
-    """(id, name, arguments) into the assistant message's ``tool_calls``."""
+def assistant_calls(calls: list[tuple[str, str, Any]], where: str = "tool_calls",
+                    indexed: bool = True) -> list[dict]:  # fmt: skip
+    """(id, name, arguments) into the assistant message's ``tool_calls`` (``where``: the
+    field that holds them, for an error; ``indexed``: a list of calls, not one)."""
     return [
         {
             "id": cid,
             "type": "function",
-            "function": {"name": name, "arguments": arguments_object(arguments)},
+            "function": {
+                "name": name,
+                "arguments": arguments_object(
+                    arguments, f"{where}[{i}].arguments" if indexed else f"{where}.arguments"
+                ),
+            },
         }
-        for cid, name, arguments in calls
+        for i, (cid, name, arguments) in enumerate(calls)
     ]
 
 
