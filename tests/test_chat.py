@@ -105,3 +105,19 @@ def test_ctrl_c_cancels_the_answer_and_keeps_the_session(models):
     err = proc.stderr.read().decode()
     assert proc.returncode == 0, err
     assert "(cancelled)" in err
+
+
+@pytest.mark.e2e
+def test_every_rank_drops_its_turn_cache_when_any_rank_is_over_its_budget(models):
+    """An uneven split (5 layers and 1): one rank's turn cache passes --prompt-cache-gb, the
+    other's does not; both drop it, so the next turn prefills the same tokens on each (a
+    rank that kept its cache alone would prefill fewer: a hung pipeline, or wrong text)."""
+    answers, sizes = reference_chat(models["qwen2"], TURNS[:2], 12)
+    p = run_cli(
+        "chat", "--model", models["qwen2"], "--max-tokens", 12, "-n", 2, "--split", "5,1",
+        "--prompt-cache-gb", "0.0003", "--stall-timeout", "30",
+        input="\n".join(TURNS[:2]) + "\n",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "".join(a + "\n" for a in answers)
+    assert turn_stats(p.stderr) == [(sizes[0], 0), (sizes[1], 0)], p.stderr  # no reuse

@@ -332,3 +332,23 @@ def test_a_stream_cut_by_failed_ranks_ends_in_each_dialects_error_event():
         events = [*stream.start(), *stream.piece(Piece("x", "partial")), *stream.fail(cut)]
         last_name, last = events[-1]
         assert last_name == name and check(last) and "rank 1 of 2" in json.dumps(last)
+
+
+def test_arguments_a_parser_gives_in_python_forms_still_serialize():
+    """mlx-lm's parsers that use ast.literal_eval return sets, tuples, bytes and complex
+    numbers, and a "\\ud800" in the markup decodes to a lone surrogate: the call still reaches
+    the client as valid JSON, nothing dropped."""
+    import ast
+
+    class Literal(Tokenizer):
+        @staticmethod
+        def tool_parser(text, tools):
+            return {"name": "f", "arguments": ast.literal_eval(text)}
+
+    markup = "{'s': {1}, 't': (1, 2), 'b': b'x', 'c': 1j, 'n': float('nan'), 'u': '\\ud800'}"
+    markup = markup.replace("float('nan')", "1e999")  # literal_eval's inf
+    called, call = split([f"<tool_call>{markup}</tool_call>"], tokenizer=Literal())
+    assert called and isinstance(call, ToolCall)
+    assert json.loads(call.arguments) == {"s": [1], "t": [1, 2], "b": "x", "c": "1j",
+                                          "n": "inf", "u": "\ufffd"}  # fmt: skip
+    call.arguments.encode("utf-8")  # no surrogate left

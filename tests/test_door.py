@@ -271,3 +271,63 @@ def test_settings_that_would_fail_mid_batch_fail_before_the_request_joins():
     # the failure left the random state usable (mlx-lm's compiled samplers share it)
     chosen, chain = tried(request(temp=0.7, top_k=40, logit_bias={"3": 5.0}), 2048)
     assert len(chain) == 1 and callable(chosen)
+
+
+def test_rank0_fits_answers_to_the_memory_every_rank_has():
+    """kv_room: the tokens of KV cache the ranks agreed they hold; a request is lowered to it,
+    or refused when its prompt alone does not fit."""
+    from node.serve import Admission, Refusal
+
+    admit = Admission(vocab=100, context=10_000, max_prompt_tokens=None, kv_room=50)
+    assert admit.request(list(range(40)), Sampling(max_tokens=30))["max_tokens"] == 10
+    with pytest.raises(Refusal, match="memory holds the KV cache of 50 tokens at most"):
+        admit.request(list(range(50)), Sampling())
+
+
+def test_an_order_waits_for_memory_and_stays_under_its_byte_bound(monkeypatch):
+    """Requests join while the KV room of the ranks has place for their prompt and answer
+    (the rest wait for answers to end), and while the order stays under ORDER_BYTES: no
+    order of many long prompts can pass share_object's limit on every rank."""
+    import queue
+    import threading
+
+    import node.serve as ns
+
+    class Inbox:
+        def __init__(self):
+            self.tickets = queue.Queue()
+            self.prepared_all, self.draining = threading.Event(), threading.Event()
+
+        def ended(self, ticket):
+            pass
+
+    def scheduler(room):
+        s = ns.Scheduler(None, lambda e: None, True, 30.0,
+                         ns.Admission(100, None, None, kv_room=room))  # fmt: skip
+        s.inbox = Inbox()
+        return s
+
+    def ticket(prompt: int, answer: int):
+        t = ns.Ticket(ServeRequest(id="r", kind="completion", sampling=Sampling()))
+        t.shared = {"tokens": [1] * prompt, "max_tokens": answer}
+        t.size = ns.shared_size(t.shared)
+        return t
+
+    s = scheduler(room=100)
+    for _ in range(3):
+        s.take(ticket(40, 20))  # 60 tokens each
+    assert len(s.order(live=0)["insert"]) == 1  # 120 > 100: the second waits
+    s.inserting = []
+    s.reserved = 60  # the first is decoding
+    assert s.order(live=1) is None  # still no room
+    s.reserved = 0  # it ended
+    assert len(s.order(live=0)["insert"]) == 1
+    s = scheduler(room=None)
+    monkeypatch.setattr(ns, "ORDER_BYTES", 2 * ticket(40, 20).size + 1)
+    for _ in range(5):
+        s.take(ticket(40, 20))
+    assert [len(s.order(live=0)["insert"]) for _ in range(3)] == [2, 2, 1]
+    with pytest.raises(ns.Refusal, match="bytes as the ranks get it"):
+        ns.shared_size({"tokens": [1] * 100, "max_tokens": 1})
+    with pytest.raises(ns.Refusal, match="cannot be passed to the other ranks"):
+        ns.shared_size({"tokens": [1], "stop": ["\ud800"], "max_tokens": 1})

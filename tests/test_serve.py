@@ -330,6 +330,76 @@ def test_hostile_requests_take_nothing_down(server):
     assert ask(server.client).choices[0].message.content == chat_reference(server.model, 16)
 
 
+def review_requests() -> list[tuple[str, bytes, dict]]:
+    """(path, body, headers): the second review's requests, each of which once ended serve,
+    leaked or hung: lone surrogates (valid JSON) in stop strings, stop_sequences and content,
+    tool-call arguments nested 500 deep inside their JSON text, a Unicode digit as a length
+    and as a logit_bias key, stream_options of another type, a text/plain body, a GET and a
+    POST to no route with a body behind them, a model named by another path."""
+    lone = '"\\ud800"'
+    chat = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3'
+    deep = json.dumps("[" * 500 + "]" * 500)
+    call = ('{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", '
+            '"function": {"name": "f", "arguments": ' + deep + '}}]}')  # fmt: skip
+    json_type = {"Content-Type": "application/json"}
+    return [
+        ("/v1/chat/completions", f'{chat}, "stop": [{lone}]}}'.encode(), json_type),
+        ("/v1/messages", f'{chat}, "stop_sequences": [{lone}]}}'.encode(), json_type),
+        ("/v1/chat/completions",
+         f'{{"messages": [{{"role": "user", "content": {lone}}}], "max_tokens": 3}}'.encode(),
+         json_type),
+        ("/v1/chat/completions",
+         f'{{"messages": [{{"role": "user", "content": "x"}}, {call}], "max_tokens": 3}}'
+         .encode(), json_type),
+        ("/v1/chat/completions", f'{chat}, "logit_bias": {{"\u00b2": 1}}}}'.encode(), json_type),
+        ("/v1/chat/completions", f'{chat}, "stream": true, "stream_options": 3}}'.encode(),
+         json_type),
+        ("/v1/chat/completions", f"{chat}}}".encode(), {"Content-Type": "text/plain"}),
+        ("/v1/chat/completions", f"{chat}}}".encode(),
+         {**json_type, "Content-Length": "\u00b2"}),
+        ("/v1/chat/completions", f'{chat}, "model": "/Users/me/models/x"}}'.encode(),
+         json_type),
+    ]  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_the_review_s_requests_three_times_over_and_a_burst_of_64(server):
+    """Each of the review's requests three times: a 4xx (or an answer), never a restart; then
+    64 clients connecting at once all get their answers (the listen backlog was 5)."""
+    before = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health").read())
+    for _ in range(3):
+        for path, data, headers in review_requests():
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            conn.putrequest("POST", path)
+            for name, value in {"Content-Length": str(len(data)), **headers}.items():
+                conn.putheader(name, value.encode("utf-8").decode("latin-1"))
+            conn.endheaders(data)
+            r = conn.getresponse()
+            body = json.loads(r.read())
+            conn.close()
+            assert r.status in (400, 404, 415), (path, data[:80], r.status, body)
+            message = json.dumps(body)
+            assert str(server.model) not in message  # the server's own folder, never
+    for headers in ({"Host": "evil.example"}, {"Origin": "http://evil.example"}):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", b"{}",
+                     {"Content-Type": "application/json", **headers})  # fmt: skip
+        assert conn.getresponse().status == 403
+    barrier = threading.Barrier(64)
+    expected = chat_reference(server.model, 4)
+
+    def one(_):
+        barrier.wait()
+        return ask(server.client, max_tokens=4).choices[0].message.content
+
+    with ThreadPoolExecutor(64) as pool:
+        texts = list(pool.map(one, range(64)))
+    assert texts == [expected] * 64
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health").read())
+    assert health["status"] == "ok" and health["restarts"] == before["restarts"] == 0, health
+    assert server.proc.poll() is None and server.pids <= set(rank_pids())
+
+
 def conversation_reference(model_dir, messages, max_tokens: int) -> str:
     """Single-process mlx-lm, greedy, on the chat template of ``messages``."""
     from mlx_lm import generate, load
