@@ -221,7 +221,8 @@ def test_requests_wait_at_most_the_restart_wait_then_503(model):
     assert status == 503 and health["status"] == "starting", health
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     body = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}
-    conn.request("POST", "/v1/chat/completions", json.dumps(body))
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})  # fmt: skip
     r = conn.getresponse()
     error = json.loads(r.read())["error"]
     assert r.status == 503 and r.getheader("Retry-After") == "10", error

@@ -37,7 +37,8 @@ def stream(port: int, stamps: list[float], stop: threading.Event) -> None:
         "stream": True,
     }
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "x"})
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})  # fmt: skip
     response = conn.getresponse()
     for line in response:
         if line.startswith(b"data: {") and b'"content"' in line:
@@ -50,7 +51,8 @@ def stream(port: int, stamps: list[float], stop: threading.Event) -> None:
 def count(port: int, text: str) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     body = {"model": "default_model", "messages": [{"role": "user", "content": text}]}
-    conn.request("POST", "/v1/messages/count_tokens", json.dumps(body), {"x-api-key": "x"})
+    conn.request("POST", "/v1/messages/count_tokens", json.dumps(body),
+                 {"x-api-key": "x", "Content-Type": "application/json"})  # fmt: skip
     answer = json.loads(conn.getresponse().read())
     conn.close()
     return answer.get("input_tokens", -1)

@@ -593,9 +593,10 @@ DISK = {  # the prompt cache's disk tier
         "--prompt-cache-dir",
         default=None,
         metavar="DIR",
-        help="The disk tier's folder on each host (default: ~/.cache/mlx-cluster/prompt-cache, "
-        "or under $XDG_CACHE_HOME). One folder may hold many models and plans, and be shared by "
-        "several jobs.",
+        help="Where each host keeps the disk tier: it makes a folder of its own in DIR, "
+        "mlx-cluster-kv (0700), and reads, writes and removes only there (default DIR: "
+        "~/.cache/mlx-cluster, or under $XDG_CACHE_HOME). One store holds many models and "
+        "plans, and may be shared by several jobs of one user.",
     ),
 }
 OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE, **DRAFT, **KV, **DISK}
