@@ -107,6 +107,13 @@ def run(spec: JobSpec) -> None:
     steps = {"prefill_step_size": spec.prefill_step} if spec.prefill_step else {}
     stages = spec.world_size if spec.mode == "pipeline" else 1
     use_step_args({**spec.kv_quant.generate_kwargs(), **steps}, stages)
+    if loaded.processor is None:  # a grammar's tokens, built when the first grammar comes
+        from cluster.core.modelcheck import text_config
+
+        from .grammar import use_tokenizer
+
+        vocab = text_config(loaded.config).get("vocab_size") or loaded.tokenizer.vocab_size
+        use_tokenizer(loaded.path, loaded.tokenizer.eos_token_ids, vocab)
     disk = None
     if spec.command in ("chat", "serve", "generate"):
         from .diskcache import open_disk_cache
@@ -196,6 +203,8 @@ def make_job_request(loaded, r: Request, command: str) -> dict:
     check_request(loaded.config, command, r.image is not None, repr(loaded.config["model_type"]))
     if loaded.processor is None:
         return make_request(loaded.tokenizer, r)
+    if r.constraint is not None:
+        raise ValueError("--json-schema and --regex need a text model (this one sees images)")
     config = loaded.model.config
     return make_vlm_request(loaded.processor, config, r.prompt, r.image, settings(r.sampling))
 

@@ -79,6 +79,13 @@ class PrefillPace:
         return max(min(self.most, PREFILL_MIN), min(self.most, int(self.rate * self.max_stall)))
 
 
+def cache_scope(key: str | None) -> str:
+    """Where a request looks in the prompt cache and leaves its answer's cache: one scope
+    per ``prompt_cache_key`` (the disk tier keeps the unscoped ones only), else the shared
+    one."""
+    return MODEL_KEY if key is None else f"{MODEL_KEY}/{key}"
+
+
 def batchable(model) -> bool:
     """Whether every cache slot of this model can be batched (mlx-lm's own test)."""
     return all(hasattr(c, "merge") for c in make_prompt_cache(model))
@@ -124,6 +131,7 @@ class Lockstep:
         self.model = model
         self.disk = disk  # node.diskcache.DiskCache: the tier under the prompt cache
         self.from_disk: dict[int, int] = {}  # the last apply's: uid -> prompt tokens from disk
+        self.scopes: dict[int, str] = {}  # uid -> its prompt cache scope (prompt_cache_key)
         self.kept = 0  # answers' caches kept since the bytes were last checked
 
     def decoding(self) -> bool:
@@ -164,7 +172,8 @@ class Lockstep:
             except RequestFailed as e:
                 joined.append((None, 0, str(e)))
                 continue
-            cache, rest, from_disk = self.nearest(r["tokens"])
+            scope = cache_scope(r.get("cache_key"))
+            cache, rest, from_disk = self.nearest(r["tokens"], scope)
             (uid,) = self.generator.insert(
                 [rest],
                 max_tokens=[r["max_tokens"]],
@@ -174,6 +183,7 @@ class Lockstep:
                 logits_processors=[chain],
             )
             joined.append((uid, len(r["tokens"]) - len(rest), None))
+            self.scopes[uid] = scope
             if from_disk:
                 self.from_disk[uid] = from_disk
             self.prefilling[uid] = (0, len(rest))
@@ -184,25 +194,26 @@ class Lockstep:
             self.live.difference_update(gone)
             for uid in gone:
                 self.prefilling.pop(uid, None)
+                self.scopes.pop(uid, None)
         return joined
 
-    def nearest(self, tokens: list[int]) -> tuple[list | None, list[int], int]:
+    def nearest(self, tokens: list[int], scope: str = MODEL_KEY) -> tuple:
         """The cache of the longest cached prefix of ``tokens`` (in memory, else on disk),
         the tokens after it and how many of those before it were read from disk; at least the
         last token is left to run, as the generator needs one. Every rank alike: the memory
         caches are the same everywhere, and the disk's answer is agreed."""
-        cache, rest = self.in_memory(tokens)
-        if self.disk is not None and len(rest) - 1 >= BLOCK_TOKENS:
+        cache, rest = self.in_memory(tokens, scope)
+        if self.disk is not None and len(rest) - 1 >= BLOCK_TOKENS and scope == MODEL_KEY:
             worth = worth_reading(self.disk.stats, self.pace.rate)
             from_disk, n = self.disk.restore(self.model, tokens, worth)
             if n > len(tokens) - len(rest):
                 return from_disk, tokens[n:], n
         return cache, rest, 0
 
-    def in_memory(self, tokens: list[int]) -> tuple[list | None, list[int]]:
+    def in_memory(self, tokens: list[int], scope: str = MODEL_KEY) -> tuple:
         if self.prompt_cache is None:
             return None, tokens
-        cache, rest = self.prompt_cache.fetch_nearest_cache(MODEL_KEY, tokens)
+        cache, rest = self.prompt_cache.fetch_nearest_cache(scope, tokens)
         if cache is not None and not rest:  # the whole prompt is cached: run its last token
             if not can_trim_prompt_cache(cache):
                 return None, tokens
@@ -213,12 +224,11 @@ class Lockstep:
     def keep(self, response) -> None:
         """A finished answer's cache, under the tokens it holds (every rank alike), and its
         blocks to the disk tier (written by its thread)."""
-        if self.disk is not None and response.prompt_cache is not None:
+        scope = self.scopes.pop(response.uid, MODEL_KEY)
+        if self.disk is not None and response.prompt_cache is not None and scope == MODEL_KEY:
             self.disk.save(list(response.all_tokens), response.prompt_cache)
         if self.prompt_cache is not None and response.prompt_cache is not None:
-            self.prompt_cache.insert_cache(
-                MODEL_KEY, list(response.all_tokens), response.prompt_cache
-            )
+            self.prompt_cache.insert_cache(scope, list(response.all_tokens), response.prompt_cache)
             self.kept += 1
 
     def fit_bytes(self) -> None:

@@ -211,7 +211,7 @@ def next_turn(inp: Input, conversation: Conversation, log: Callable[[str], None]
 def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str], None] | None,
              disk=None):  # fmt: skip
     """The session loop of every rank; rank 0 (``write`` given) reads, the others follow."""
-    from .generate import generate
+    from .generate import generate, grammar_of
     from .sampling import settings
     from .share import share_from_rank0
     from .watchdog import launcher_input, progress
@@ -240,7 +240,9 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
                 user = next_turn(inp, conversation, notice)
             if user is None:
                 return None
-            return {"tokens": conversation.tokens_for(user), **settings(spec.request.sampling)}
+            tokens = conversation.tokens_for(user)
+            extra = grammar_of(loaded.tokenizer, spec.request, tokens)
+            return {"tokens": tokens, **settings(spec.request.sampling), **extra}
 
     while True:
         user = None

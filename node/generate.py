@@ -39,12 +39,31 @@ def render(tokenizer, messages: list[dict[str, str]], template: Template) -> lis
             for key in TEMPLATE_SWITCHES
             if getattr(template, key) is not None
         }
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **args
-        )
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **args
+            )
+        except Exception:
+            folded = fold_system(messages)
+            if folded == messages:
+                raise
+            text = tokenizer.apply_chat_template(  # a template that takes one system message
+                folded, tokenize=False, add_generation_prompt=True, **args
+            )
         return tokenizer.encode(text, add_special_tokens=False)
     parts = ([system] if system else []) + [m["content"] for m in messages]
     return tokenizer.encode("\n".join(parts))
+
+
+def fold_system(messages: list[dict]) -> list[dict]:
+    """Every system message joined, in order, into one at the start (for a template that
+    takes a system message only there: Claude Code sends one after the first user turn,
+    Codex several)."""
+    systems = [m for m in messages if m.get("role") == "system"]
+    if len(systems) <= 1 and (not systems or messages[0] is systems[0]):
+        return messages
+    text = "\n\n".join(str(m.get("content") or "") for m in systems)
+    return [{"role": "system", "content": text}, *(m for m in messages if m["role"] != "system")]
 
 
 def make_request(tokenizer, r: Request) -> dict:
@@ -52,7 +71,17 @@ def make_request(tokenizer, r: Request) -> dict:
     tokens = render(tokenizer, [{"role": "user", "content": r.prompt}], r.template)
     if not tokens:
         raise ValueError("the prompt is empty after tokenization")
-    return {"tokens": tokens, **settings(r.sampling)}
+    return {"tokens": tokens, **settings(r.sampling), **grammar_of(tokenizer, r, tokens)}
+
+
+def grammar_of(tokenizer, r: Request, tokens: list[int]) -> dict:
+    """``{"grammar": ...}`` for a job that constrains its answers (--json-schema, --regex),
+    else nothing."""
+    if r.constraint is None:
+        return {}
+    from .grammar import shared_grammar
+
+    return {"grammar": shared_grammar(tokenizer, r.constraint, r.template.tools, tokens)}
 
 
 @dataclass
@@ -90,6 +119,8 @@ def generate(
     proposer drafts and the model verifies K+1 tokens per pass. ``first_logits`` (a list) gets
     the next-token logits after the prompt, as the first step sees them (``launch --logits``:
     the prompt is prefilled once for both the logits and the text)."""
+    if request.get("grammar"):  # drafts are not checked against a grammar: decoded alone
+        speculation = None
     watch = prefill_watch(group, cancelled, cancellable, on_prefill)
     try:
         answer = stream(

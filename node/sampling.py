@@ -56,6 +56,9 @@ def tried(request: dict[str, Any], vocab: int) -> tuple[Callable, list]:
         for process in chain:
             logits = process(history, logits)
         mx.eval(chosen(logits))
+        for process in chain:  # a grammar's matcher back to its start
+            if hasattr(process, "reset"):
+                process.reset()
     except Exception as e:
         # mlx-lm's samplers are compiled with the random state as input and output: one that
         # raises leaves the state without a value, and every later draw would fail. Every
@@ -138,6 +141,8 @@ def logit_bias(bias: dict[str, float]):
 
 
 def processors(request: dict[str, Any], prompt_len: int) -> list:
+    """The request's logits processors, in order: bias, penalties, and last the grammar's
+    mask (node.grammar), so that what it forbids stays forbidden."""
     s = sampling_of(request)
     chosen = [logit_bias(s.logit_bias)] if s.logit_bias else []
     if s.repetition_penalty not in (None, 1.0):
@@ -146,4 +151,8 @@ def processors(request: dict[str, Any], prompt_len: int) -> list:
         chosen.append(presence_penalty(s.presence_penalty, prompt_len))
     if s.frequency_penalty not in (None, 0.0):
         chosen.append(frequency_penalty(s.frequency_penalty, prompt_len))
+    if grammar := request.get("grammar"):
+        from .grammar import Constrained
+
+        chosen.append(Constrained(grammar["text"], grammar.get("after")))
     return chosen

@@ -156,6 +156,17 @@ class Refusal(ValueError):
     """A request rank 0 refuses once it has its tokens (the field and the limit named)."""
 
 
+def constrained(tokenizer, r: ServeRequest, tokens: list[int]) -> dict:
+    """The grammar every rank decodes ``r`` under (node.grammar), checked against this
+    model's tokens here, off the decode loop; Refusal naming the field otherwise."""
+    from .grammar import GrammarError, shared_grammar
+
+    try:
+        return shared_grammar(tokenizer, r.constraint, r.template.tools, tokens)
+    except GrammarError as e:
+        raise Refusal(f"'{r.constraint.source}': {e}") from None
+
+
 def needed(shared: dict) -> int:
     """Tokens of KV cache a request may come to hold: its prompt and its answer."""
     return len(shared["tokens"]) + int(shared["max_tokens"])
@@ -303,6 +314,10 @@ class Scheduler:
             return None
         try:
             ticket.shared = self.admission.request(tokens, r.sampling)
+            if r.constraint is not None:
+                ticket.shared["grammar"] = constrained(self.tokenizer, r, tokens)
+            if r.cache_key is not None:
+                ticket.shared["cache_key"] = r.cache_key
             ticket.size = shared_size(ticket.shared)
         except Refusal as e:
             self.emit(Refused(r.id, 400, str(e)))

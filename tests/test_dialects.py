@@ -140,15 +140,6 @@ def test_anthropic_turn_with_results_and_text_and_a_failed_tool():
             "'image'",
         ),  # fmt: skip
         (
-            Messages(),
-            {
-                "max_tokens": 1,
-                "messages": [{"role": "user", "content": "x"}],
-                "tools": [{"type": "web_search_20250305", "name": "w"}],
-            },
-            "server tools",
-        ),  # fmt: skip
-        (
             ChatCompletions(),
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "'image_url'",

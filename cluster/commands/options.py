@@ -12,9 +12,11 @@ import time
 
 import click
 
+from cluster.core import grammar
 from cluster.core.hostfile import BACKENDS, Hostfile, HostfileError, load_hostfile, local_hostfile
 from cluster.core.modelcheck import MODES, default_draft_path, default_model_path
 from cluster.core.spec import (
+    Constraint,
     Draft,
     JobSpec,
     KVQuant,
@@ -599,7 +601,48 @@ DISK = {  # the prompt cache's disk tier
         "plans, and may be shared by several jobs of one user.",
     ),
 }
-OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE, **DRAFT, **KV, **DISK}
+
+
+def read_schema(ctx, param, path: str | None) -> str | None:
+    """--json-schema FILE: the grammar of the JSON that schema allows (checked here)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return grammar.json_schema(f.read())
+    except OSError as e:
+        raise click.BadParameter(f"{path}: {e.strerror or e}") from None
+    except grammar.BadGrammar as e:
+        raise click.BadParameter(f"{path}: {e}") from None
+
+
+def read_regex(ctx, param, pattern: str | None) -> str | None:
+    if pattern is None:
+        return None
+    try:
+        return grammar.regex(pattern)
+    except grammar.BadGrammar as e:
+        raise click.BadParameter(str(e)) from None
+
+
+CONSTRAIN = {  # Request.constraint
+    "json_schema": click.option(
+        "--json-schema",
+        type=click.Path(exists=True, dir_okay=False),
+        callback=read_schema,
+        help="JSON schema file: every answer is JSON that follows it, decoded under its "
+        "grammar on every rank (llguidance). Keys come in the schema's order.",
+    ),
+    "regex": click.option(
+        "--regex",
+        callback=read_regex,
+        help="Every answer matches this regular expression (decoded under it on every rank).",
+    ),
+}
+
+
+OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE, **DRAFT, **KV, **DISK,
+           **CONSTRAIN}  # fmt: skip
 
 
 def with_options(*names: str):
@@ -628,5 +671,15 @@ def draft_of(values: dict) -> Draft:
     return draft
 
 
+def constraint_of(values: dict) -> Constraint | None:
+    """--json-schema or --regex (one of them) as the request's constraint."""
+    schema, pattern = values.pop("json_schema", None), values.pop("regex", None)
+    if schema is not None and pattern is not None:
+        raise click.UsageError("--json-schema and --regex: choose one")
+    if schema is None and pattern is None:
+        return None
+    return Constraint(grammar=schema or pattern, source="--json-schema" if schema else "--regex")
+
+
 def sampling_options(f):
-    return with_options(*SAMPLING, *TEMPLATE)(f)
+    return with_options(*SAMPLING, *TEMPLATE, *CONSTRAIN)(f)

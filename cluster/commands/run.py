@@ -10,6 +10,7 @@ import click
 
 from cluster.commands.options import (
     STARTED,
+    constraint_of,
     draft_of,
     job_options,
     model_or_default,
@@ -42,6 +43,7 @@ def job_spec(command: str, values: dict, **fields) -> JobSpec:
         sampling=pick(Sampling, values),
         template=pick(Template, values),
         image=values.pop("image", None),
+        constraint=constraint_of(values),
     )
     # argv and stdin may hold bytes that are not UTF-8: Python keeps them as lone surrogates,
     # which no encoder on the way to the ranks takes

@@ -50,6 +50,19 @@ class Template:
 
 
 @dataclass
+class Constraint:
+    """What an answer must match, decoded under a grammar on every rank (node.grammar):
+    ``grammar``, llguidance's grammar made from a JSON schema, a regex or a Lark grammar
+    (cluster.core.grammar, checked before it travels); or ``tools``, a tool call rank 0 writes
+    the grammar of from the request's tools in the model's own markup: "required" (any tool),
+    "strict" (free text, calls under their tool's schema) or a tool's name."""
+
+    grammar: str | None = None
+    tools: str | None = None
+    source: str = ""  # the field it came from, for a refusal: "response_format", "tool_choice"
+
+
+@dataclass
 class Request:
     """The work of a one-shot job (launch) or the settings of every turn (chat); rank 0 only."""
 
@@ -57,6 +70,7 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     template: Template = field(default_factory=Template)
     image: bytes | None = None  # for a vision-language model
+    constraint: Constraint | None = None  # --json-schema, --regex
 
 
 @dataclass
@@ -98,6 +112,8 @@ class ServeRequest:
     prompt: str = ""
     seeded: bool = False  # decoded alone: its tokens depend on the random state
     logprobs: int | None = None  # None: none; 0: each token's own; k: and the k likeliest
+    constraint: Constraint | None = None  # a grammar the answer must match
+    cache_key: str | None = None  # prompt_cache_key: the prompt cache's entries of this key only
 
 
 @dataclass

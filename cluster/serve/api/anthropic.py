@@ -5,6 +5,18 @@
 model's template; the answer comes back as content blocks (``thinking``, ``text``,
 ``tool_use``) with Anthropic's stop reasons, whole or as its stream events. Errors have
 Anthropic's shape. The key is ``--api-key``, sent as ``x-api-key`` (or a bearer token).
+
+What Claude Code sends is taken: ``system`` messages inside ``messages`` (its environment
+block), kept in their place; ``thinking`` (``enabled``, ``adaptive``, ``disabled``: the
+template's thinking switch); ``output_config.effort`` (the template's reasoning effort) and
+``output_config.format`` (a JSON schema the answer follows, as ``output_format`` in the beta);
+``context_management`` (its edits clear old thinking and tool results server-side; none is
+applied here, and the answer says so); ``metadata``; ``anthropic-beta`` flags and
+``?beta=true``. The billing line Claude Code puts first in ``system``
+(``x-anthropic-billing-header: ...; cch=...;``, new every request) is dropped wherever it
+appears, so consecutive turns share their prompt's start in the prompt cache. Server tools
+(``web_search_...``, ``code_execution_...``) are left out, and the answer says so in
+``notes``.
 """
 
 from __future__ import annotations
@@ -13,8 +25,8 @@ import json
 from typing import Any
 
 from cluster.core.protocol import Piece, ToolCall
-from cluster.core.spec import Sampling, ServeRequest, Template
-from cluster.serve.api.openai import tool_choice
+from cluster.core.spec import Constraint, Sampling, ServeRequest, Template
+from cluster.serve.api import constrain
 from cluster.serve.api.shared import (
     MAX_MESSAGES,
     MAX_PARTS,
@@ -44,6 +56,14 @@ ERROR_TYPES = {
     503: "overloaded_error",
 }
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "cancelled": "end_turn"}
+BILLING = "x-anthropic-billing-header:"  # Claude Code's first system block, new every request
+
+
+def without_billing(text: str) -> str:
+    """``text`` without Claude Code's billing line (a block of its own, or a line of one)."""
+    if BILLING not in text:
+        return text
+    return "\n".join(x for x in text.split("\n") if not x.lstrip().startswith(BILLING))
 
 
 def text_blocks(content: Any, where: str) -> str:
@@ -64,20 +84,35 @@ def text_blocks(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+def system_text(content: Any, where: str) -> str:
+    """A system prompt (a string or text blocks) without the billing line: a block that is
+    only that line goes whole."""
+    if isinstance(content, list):
+        content = [b for b in content if not (isinstance(b, dict) and
+                   str(b.get("text", "")).lstrip().startswith(BILLING))]  # fmt: skip
+    return without_billing(text_blocks(content, where))
+
+
 def chat_messages(body: dict) -> list[dict]:
     """``system`` and ``messages`` as OpenAI chat messages: tool_use blocks become the
-    assistant's tool_calls, tool_result blocks become tool messages."""
+    assistant's tool_calls, tool_result blocks become tool messages, a system message stays
+    where it is (rank 0 folds it into the first when the template takes none there)."""
     out: list[dict] = []
     if body.get("system") is not None:
-        out.append({"role": "system", "content": text_blocks(body["system"], "system")})
+        system = system_text(body["system"], "system")
+        if system:
+            out.append({"role": "system", "content": system})
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages: must be a non-empty list")
     check_count(messages, MAX_MESSAGES, "messages")
     for i, m in enumerate(messages):
         where = f"messages.{i}"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise RequestError(400, f"{where}: 'role' must be user or assistant")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise RequestError(400, f"{where}: 'role' must be user, assistant or system")
+        if m["role"] == "system":
+            out.append({"role": "system", "content": system_text(m.get("content"), where)})
+            continue
         content = m.get("content")
         if isinstance(content, str):
             out.append({"role": m["role"], "content": content})
@@ -120,25 +155,77 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def anthropic_tools(tools: Any, choice: Any) -> list | None:
+def anthropic_tools(tools: Any, choice: Any) -> tuple[list | None, Constraint | None]:
+    """Client tools for the template (server tools are left out: ``server_tools`` names
+    them), and the constraint the tool choice or strict tools ask for."""
     if tools is None:
-        return None
+        tools = []
     if not isinstance(tools, list):
         raise RequestError(400, "tools: must be a list")
     check_count(tools, MAX_PARTS, "tools")
-    out = []
+    out, marked = [], []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise RequestError(
-                400, f"tools.{i}: server tools ({kind!r}) are not supported (client tools only)"
-            )
+        if not isinstance(tool, dict):
+            raise RequestError(400, f"tools.{i}: must be an object")
+        if tool.get("type", "custom") != "custom":
+            continue  # a server tool: Anthropic runs it, a local model cannot
         out.append(
             function_tool(
                 tool.get("name"), tool.get("description"), tool.get("input_schema"), f"tools.{i}"
             )
         )
-    return tool_choice(choice, out, "tool_choice", ("auto", "none"))
+        marked.append(tool.get("strict") is True)
+    return tool_choice(choice, out, marked)
+
+
+def server_tools(tools: Any) -> list[str]:
+    if not isinstance(tools, list):
+        return []
+    return [str(t.get("name") or t["type"]) for t in tools
+            if isinstance(t, dict) and t.get("type", "custom") != "custom"]  # fmt: skip
+
+
+def tool_choice(choice: Any, tools: list, marked: list[bool]) -> tuple:
+    """Anthropic's ``tool_choice``: auto, none, any (some tool), tool (that one)."""
+    if choice is None:
+        return tools or None, constrain.strict(tools, marked)
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "auto":
+        return tools or None, constrain.strict(tools, marked)
+    if kind == "none":
+        return None, None
+    if kind == "any":
+        return tools, constrain.forced("required", tools, "tool_choice")
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise RequestError(400, "tool_choice: a choice of type tool needs the tool's 'name'")
+        return tools, constrain.forced(name, tools, "tool_choice")
+    raise RequestError(400, "tool_choice: 'type' must be auto, any, tool or none")
+
+
+def output_constraint(body: dict) -> Constraint | None:
+    """``output_config.format`` (and the beta's ``output_format``): a JSON schema."""
+    found = []
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise RequestError(400, "output_config: must be an object")
+    for name, value in (("output_config.format", (config or {}).get("format")),
+                        ("output_format", body.get("output_format"))):  # fmt: skip
+        if value is None:
+            continue
+        if not isinstance(value, dict) or value.get("type") != "json_schema":
+            raise RequestError(400, f"{name}: the type must be json_schema")
+        if "schema" not in value:
+            raise RequestError(400, f"{name}.schema: Field required")
+        found.append(constrain.built(constrain.grammar.json_schema, value["schema"],
+                                     f"{name}.schema"))  # fmt: skip
+    return constrain.only(found)
+
+
+def effort(body: dict) -> str | None:
+    value = (body.get("output_config") or {}).get("effort")
+    return value if isinstance(value, str) else None
 
 
 def thinking_switch(body: dict) -> bool | None:
@@ -184,6 +271,8 @@ class Messages:
         most = max_tokens(body, door, "max_tokens")
         if most is None:
             raise RequestError(400, "max_tokens: Field required")
+        tools, forced = anthropic_tools(body.get("tools"), body.get("tool_choice"))
+        constraint = constrain.only([output_constraint(body), constrain.extension(body), forced])
         return ServeRequest(
             id="",
             kind="chat",
@@ -195,10 +284,10 @@ class Messages:
                 stop_strings(body.get("stop_sequences"), "stop_sequences"),
             ),
             template=Template(
-                tools=anthropic_tools(body.get("tools"), body.get("tool_choice")),
-                enable_thinking=thinking_switch(body),
+                tools=tools, enable_thinking=thinking_switch(body), reasoning_effort=effort(body)
             ),
             messages=chat_messages(body),
+            constraint=constraint,
         )
 
     def reply(self, req: ApiRequest, answer: Answer) -> dict:
@@ -218,7 +307,13 @@ class Messages:
         return error_body(e)
 
     def echo(self, body: dict) -> dict:
-        return {}
+        out: dict = {}
+        if dropped := server_tools(body.get("tools")):
+            out["notes"] = ["server tools a local model cannot run were left out: "
+                            + ", ".join(sorted(set(dropped)))]  # fmt: skip
+        if body.get("context_management") is not None:
+            out["context_management"] = {"applied_edits": []}
+        return out
 
 
 def tool_use(req: ApiRequest, call: ToolCall) -> dict:
@@ -231,7 +326,7 @@ def tool_use(req: ApiRequest, call: ToolCall) -> dict:
 
 
 def message_body(req: ApiRequest, content: list[dict], result: dict | None) -> dict:
-    return {
+    body = {
         "id": f"msg_{req.id}",
         "type": "message",
         "role": "assistant",
@@ -241,6 +336,10 @@ def message_body(req: ApiRequest, content: list[dict], result: dict | None) -> d
         "stop_sequence": (result or {}).get("stop_sequence"),
         "usage": usage_of(result or {}),
     }
+    for key in ("context_management", "notes"):
+        if key in req.echo:
+            body[key] = req.echo[key]
+    return body
 
 
 class MessageStream:
@@ -370,8 +469,9 @@ class CountTokens:
             kind="count",
             sampling=Sampling(max_tokens=1),
             template=Template(
-                tools=anthropic_tools(body.get("tools"), body.get("tool_choice")),
+                tools=anthropic_tools(body.get("tools"), body.get("tool_choice"))[0],
                 enable_thinking=thinking_switch(body),
+                reasoning_effort=effort(body),
             ),
             messages=chat_messages(body),
         )

@@ -3,8 +3,10 @@
 Tool calls come back as ``message.tool_calls`` (``finish_reason: "tool_calls"``) and stream
 as ``tool_calls`` deltas; the model's reasoning comes apart from its answer as
 ``reasoning_content`` (as DeepSeek's API and mlx_lm.server do); ``logprobs`` and
-``top_logprobs`` as OpenAI's. What serve cannot do is refused with the field named: ``n`` above
-1, a ``response_format`` or ``tool_choice`` that would need constrained decoding.
+``top_logprobs`` as OpenAI's. ``response_format`` (a JSON schema, any JSON object), a forced
+``tool_choice`` and ``strict`` tools are decoded under a grammar on every rank
+(cluster.serve.api.constrain). What serve cannot do is refused with the field named: ``n``
+above 1.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.core.protocol import Piece, ToolCall
-from cluster.core.spec import ServeRequest, Template
+from cluster.core.spec import Constraint, ServeRequest, Template
+from cluster.serve.api import constrain
 from cluster.serve.api.shared import (
     KEEPALIVE,
     MAX_MESSAGES,
@@ -47,9 +50,6 @@ SAMPLING_FIELDS = {  # OpenAI field -> our setting (its range: cluster.serve.api
     "repetition_penalty": "repetition_penalty",
 }
 MAX_TOP_LOGPROBS = 20
-CONSTRAINED = (
-    "serve does not constrain decoding to a format; ask for it in the prompt (or drop the field)"
-)
 
 
 def check_n(body: dict) -> None:
@@ -58,23 +58,15 @@ def check_n(body: dict) -> None:
         raise RequestError(400, "'n' above 1 is not supported: send n requests (they batch)")
 
 
-def check_response_format(value: Any, name: str) -> None:
-    if value is None:
-        return
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind != "text":
-        raise RequestError(400, f"'{name}' of type {kind!r} is not supported: {CONSTRAINED}")
-
-
-def chat_tools(tools: Any, choice: Any) -> list | None:
+def chat_tools(tools: Any, choice: Any) -> tuple[list | None, Constraint | None]:
     """Chat completions' tools for the template (None when there are none or none may be
-    called); a tool_choice that forces a call is refused."""
+    called), and the constraint its tool_choice or strict tools ask for."""
     if tools is None:
-        return None
+        return tool_choice(choice, [], [], "tool_choice")
     if not isinstance(tools, list):
         raise RequestError(400, "'tools' must be a list")
     check_count(tools, MAX_PARTS, "tools")
-    out = []
+    out, marked = [], []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
@@ -89,20 +81,30 @@ def chat_tools(tools: Any, choice: Any) -> list | None:
                 f"tools[{i}]",
             )
         )
-    return tool_choice(choice, out, "tool_choice", ("auto", "none"))
+        marked.append(function.get("strict") is True)
+    return tool_choice(choice, out, marked, "tool_choice")
 
 
-def tool_choice(choice: Any, tools: list, name: str, allowed: tuple) -> list | None:
-    """The tools the template gets under ``choice`` (one of ``allowed``: auto, none)."""
+def tool_choice(choice: Any, tools: list, marked: list[bool],
+                name: str) -> tuple[list | None, Constraint | None]:  # fmt: skip
+    """The tools the template gets under OpenAI's ``choice`` (auto, none, required, or
+    ``{"type": "function", ...}`` naming one: its name under ``function`` in chat, beside
+    the type in Responses), and the constraint it asks for."""
     kind = choice.get("type") if isinstance(choice, dict) else choice
     if choice is None or kind == "auto":
-        return tools or None
+        return tools or None, constrain.strict(tools, marked)
     if kind == "none":
-        return None
+        return None, None
+    if kind == "required":
+        return tools, constrain.forced("required", tools, name)
+    if kind == "function" and isinstance(choice, dict):
+        function = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+        called = function.get("name")
+        if not isinstance(called, str):
+            raise RequestError(400, f"'{name}' of type function needs the function's 'name'")
+        return tools, constrain.forced(called, tools, name)
     raise RequestError(
-        400,
-        f"'{name}' {kind!r} is not supported: serve cannot force a tool call (it does not "
-        f"constrain decoding); use {' or '.join(repr(a) for a in allowed)}",
+        400, f"'{name}' {str(kind)[:40]!r} is not supported (auto, none, required or a function)"
     )
 
 
@@ -154,6 +156,17 @@ def chat_message(m: Any, i: int) -> dict:
     return out
 
 
+def cache_key(body: dict) -> str | None:
+    """``prompt_cache_key``: the prompt cache's entries of this key are where the request
+    looks (and what it leaves), so one session's prompts are never found by another's."""
+    key = body.get("prompt_cache_key")
+    if key is None:
+        return None
+    if not isinstance(key, str) or len(key) > 256:
+        raise RequestError(400, "'prompt_cache_key' must be a string of at most 256 characters")
+    return key
+
+
 def top_logprobs(body: dict, name: str) -> int | None:
     """How many likeliest tokens to return beside each token (0 to MAX_TOP_LOGPROBS)."""
     top = number(body, name, (int,))
@@ -194,8 +207,12 @@ class ChatCompletions:
         check_count(messages, MAX_MESSAGES, "messages")
         check_n(body)
         include_usage(body)
-        check_response_format(body.get("response_format"), "response_format")
-        tools = chat_tools(body.get("tools"), body.get("tool_choice"))
+        tools, forced = chat_tools(body.get("tools"), body.get("tool_choice"))
+        constraint = constrain.only([
+            constrain.response_format(body.get("response_format"), "response_format"),
+            constrain.extension(body),
+            forced,
+        ])  # fmt: skip
         chosen = sampling(
             body,
             SAMPLING_FIELDS,
@@ -212,6 +229,8 @@ class ChatCompletions:
             messages=[chat_message(m, i) for i, m in enumerate(messages)],
             seeded=chosen.seed is not None,
             logprobs=chat_logprobs(body),
+            constraint=constraint,
+            cache_key=cache_key(body),
         )
 
     def reply(self, req: ApiRequest, answer: Answer) -> dict:
@@ -350,6 +369,13 @@ class Completions:
             prompt=prompt,
             seeded=chosen.seed is not None,
             logprobs=top,
+            constraint=constrain.only(
+                [
+                    constrain.response_format(body.get("response_format"), "response_format"),
+                    constrain.extension(body),
+                ]
+            ),  # fmt: skip
+            cache_key=cache_key(body),
         )
 
     def reply(self, req: ApiRequest, answer: Answer) -> dict:

@@ -1,11 +1,16 @@
 """OpenAI's Responses API (/v1/responses).
 
-``input`` (a string, or items: messages, function calls and their outputs) and
-``instructions`` become the chat messages rank 0 renders with the model's template; function
-tools become the template's tools. The answer comes back as output items (reasoning, a message,
-function calls), whole or as the typed stream events of the API. This server keeps no
-responses: ``previous_response_id`` is refused, and a client sends the conversation in
-``input`` (as it does with ``store: false``).
+``input`` (a string, or items: messages, function calls and their outputs; ``developer``
+messages are system ones) and ``instructions`` become the chat messages rank 0 renders with the
+model's template; function tools become the template's tools (a ``namespace`` tool's functions
+among them, each call answered with its namespace); hosted tools a local model cannot run
+(``web_search``, ``file_search``, ...) are left out of the prompt, and the response says so in
+``notes``. The answer comes back as output items (reasoning, a message, function calls), whole
+or as the typed stream events of the API. This server keeps no responses:
+``previous_response_id`` is refused, and a client sends the conversation in ``input`` (as it
+does with ``store: false``; ``store: true`` is taken, and nothing is kept). ``text.format``, a
+forced ``tool_choice`` and strict tools are decoded under a grammar
+(cluster.serve.api.constrain); ``prompt_cache_key`` scopes the prompt cache.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import Any
 
 from cluster.core.protocol import Piece, ToolCall
 from cluster.core.spec import ServeRequest, Template
-from cluster.serve.api.openai import check_response_format, text_of, tool_choice, top_logprobs
+from cluster.serve.api import constrain
+from cluster.serve.api.openai import cache_key, text_of, tool_choice, top_logprobs
 from cluster.serve.api.shared import (
     KEEPALIVE,
     MAX_MESSAGES,
@@ -95,25 +101,55 @@ def input_messages(body: dict) -> list[dict]:
     return messages
 
 
-def response_tools(tools: Any, choice: Any) -> list | None:
+HOSTED = ("web_search", "web_search_preview", "file_search", "code_interpreter",
+          "computer_use_preview", "computer", "image_generation", "mcp", "local_shell",
+          "shell", "apply_patch", "tool_search")  # fmt: skip
+
+
+def tool_items(tools: Any) -> list[tuple[str, dict, str | None]]:
+    """Each function tool as (where, tool, namespace): a ``namespace`` tool's functions
+    flattened; hosted tools left out (``dropped`` names them)."""
     if tools is None:
-        return None
+        return []
     if not isinstance(tools, list):
         raise RequestError(400, "'tools' must be a list")
     check_count(tools, MAX_PARTS, "tools")
     out = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise RequestError(
-                400, f"tools[{i}]: tools of type {kind!r} are not supported (function only)"
-            )
-        out.append(
-            function_tool(
-                tool.get("name"), tool.get("description"), tool.get("parameters"), f"tools[{i}]"
-            )
-        )
-    return tool_choice(choice, out, "tool_choice", ("auto", "none"))
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            out.append((f"tools[{i}]", tool, None))
+        elif kind == "namespace":
+            inner = tool.get("tools")
+            space = tool.get("name")
+            if not isinstance(inner, list) or not isinstance(space, str):
+                raise RequestError(400, f"tools[{i}]: a namespace needs its 'name' and 'tools'")
+            check_count(inner, MAX_PARTS, f"tools[{i}].tools")
+            for j, t in enumerate(inner):
+                if not isinstance(t, dict) or t.get("type", "function") != "function":
+                    raise RequestError(400, f"tools[{i}].tools[{j}]: functions only")
+                out.append((f"tools[{i}].tools[{j}]", t, space))
+        elif not (isinstance(kind, str) and kind.startswith(HOSTED)):
+            raise RequestError(400, f"tools[{i}]: tools of type {str(kind)[:40]!r} are not "
+                                    "supported (function, namespace, and hosted tools, which "
+                                    "are left out)")  # fmt: skip
+    return out
+
+
+def dropped(tools: Any) -> list[str]:
+    """The hosted tools a request named, which a local model cannot run."""
+    if not isinstance(tools, list):
+        return []
+    return [t["type"] for t in tools if isinstance(t, dict) and t.get("type") not in
+            ("function", "namespace") and isinstance(t.get("type"), str)]  # fmt: skip
+
+
+def response_tools(tools: Any, choice: Any) -> tuple[list | None, constrain.Constraint | None]:
+    items = tool_items(tools)
+    out = [function_tool(t.get("name"), t.get("description"), t.get("parameters"), where)
+           for where, t, _ in items]  # fmt: skip
+    marked = [t.get("strict") is True for _, t, _ in items]
+    return tool_choice(choice, out, marked, "tool_choice")
 
 
 class Responses:
@@ -127,7 +163,14 @@ class Responses:
                 "send the whole conversation in 'input'",
             )
         text = body.get("text") or {}
-        check_response_format(text.get("format") if isinstance(text, dict) else text, "text.format")
+        if not isinstance(text, dict):
+            raise RequestError(400, "'text' must be an object")
+        tools, forced = response_tools(body.get("tools"), body.get("tool_choice"))
+        constraint = constrain.only([
+            constrain.response_format(text.get("format"), "text.format", flat=True),
+            constrain.extension(body),
+            forced,
+        ])  # fmt: skip
         reasoning = body.get("reasoning") or {}
         effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
         include = body.get("include") or []
@@ -141,12 +184,14 @@ class Responses:
             kind="chat",
             sampling=chosen,
             template=Template(
-                tools=response_tools(body.get("tools"), body.get("tool_choice")),
+                tools=tools,
                 reasoning_effort=effort if isinstance(effort, str) else None,
             ),
             messages=input_messages(body),
             seeded=chosen.seed is not None,
             logprobs=(top or 0) if wanted or top else None,
+            constraint=constraint,
+            cache_key=cache_key(body),
         )
 
     def reply(self, req: ApiRequest, answer: Answer) -> dict:
@@ -165,7 +210,13 @@ class Responses:
         return error_body(e)
 
     def echo(self, body: dict) -> dict:
-        return {k: body[k] for k in ECHOED if k in body}
+        out = {k: body[k] for k in ECHOED if k in body}
+        out["namespaces"] = {t.get("name"): space for _, t, space in tool_items(body.get("tools"))
+                             if space is not None}  # fmt: skip
+        if hosted := dropped(body.get("tools")):
+            out["notes"] = [f"hosted tools a local model cannot run were left out: "
+                            f"{', '.join(sorted(set(hosted)))}"]  # fmt: skip
+        return out
 
 
 def reasoning_item(req: ApiRequest, text: str, done: bool = True) -> dict:
@@ -193,7 +244,7 @@ def message_item(req: ApiRequest, text: str, logprobs: list[dict], done: bool = 
 
 
 def function_item(req: ApiRequest, call: ToolCall, done: bool = True) -> dict:
-    return {
+    item = {
         "id": f"fc_{req.id}{call.index}",
         "type": "function_call",
         "call_id": call_id(call, "call_", req),
@@ -201,6 +252,9 @@ def function_item(req: ApiRequest, call: ToolCall, done: bool = True) -> dict:
         "arguments": call.arguments if done else "",
         "status": "completed" if done else "in_progress",
     }
+    if space := req.echo.get("namespaces", {}).get(call.name):
+        item["namespace"] = space
+    return item
 
 
 def response_body(req: ApiRequest, output: list[dict], result: dict | None,
@@ -238,6 +292,8 @@ def response_body(req: ApiRequest, output: list[dict], result: dict | None,
         "incomplete_details": incomplete,
         "usage": None,
     }
+    if body.get("notes"):
+        out["notes"] = body["notes"]
     if result is not None and "usage" in result:
         usage = result["usage"]
         out["usage"] = {

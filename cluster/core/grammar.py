@@ -1,0 +1,104 @@
+"""Grammars from what a user or a client asks for (a JSON schema, a regex, a Lark grammar),
+as llguidance's grammar text, checked without a tokenizer, so that a bad one is refused where
+it is asked for (a 400 naming the keyword, a usage error) and never reaches a rank.
+
+llguidance needs no mlx: the launcher checks here; every rank compiles the same text against
+the model's tokens (node.grammar). Checking is bounded by llguidance's limits (node.grammar's
+LIMITS: the lexer's states, the grammar's size) and cached by text: an agent sends the same
+schema every turn.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+# JSON as json.dumps and chat templates' tojson write it (one space after ',' and ':') and no
+# other whitespace: an answer's length is then bounded by the schema's, not by how much
+# whitespace a model likes
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# llguidance's bounds on one grammar; the rest keep its defaults (a step's work ~14 ms at most,
+# compiling a lexer ~20 ms of fuel). 50,000 lexer states are ~100 MB at most (its default,
+# 250,000, is up to 500 MB per grammar).
+LIMITS = {"max_lexer_states": 50_000, "max_grammar_size": 500_000}
+MAX_SOURCE = 1 << 20  # characters of a schema, regex or grammar
+
+
+class BadGrammar(ValueError):
+    """What was asked is not a grammar llguidance takes; the message says why (the keyword)."""
+
+
+def json_schema(schema: Any) -> str:
+    """The grammar of JSON values that ``schema`` (an object, or its JSON text) allows."""
+    import llguidance
+
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise BadGrammar(f"not JSON: {e}") from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise BadGrammar("a JSON schema is an object")
+    text = json.dumps(schema)  # its own order: an answer's keys come in the schema's order
+    if len(text) > MAX_SOURCE:
+        raise BadGrammar(f"the schema is {len(text)} characters; at most {MAX_SOURCE}")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+    except ValueError as e:
+        raise BadGrammar(str(e)) from None
+    return checked(grammar)
+
+
+def regex(pattern: Any) -> str:
+    import llguidance
+
+    if not isinstance(pattern, str) or not pattern:
+        raise BadGrammar("a regex is a non-empty string")
+    if len(pattern) > MAX_SOURCE:
+        raise BadGrammar(f"the regex is {len(pattern)} characters; at most {MAX_SOURCE}")
+    return checked(llguidance.LLMatcher.grammar_from_regex(pattern))
+
+
+def lark(text: Any) -> str:
+    import llguidance
+
+    if not isinstance(text, str) or not text.strip():
+        raise BadGrammar("a grammar is a non-empty string (Lark, as llguidance takes it)")
+    if len(text) > MAX_SOURCE:
+        raise BadGrammar(f"the grammar is {len(text)} characters; at most {MAX_SOURCE}")
+    return checked(llguidance.LLMatcher.grammar_from_lark(text))
+
+
+def choice(options: Any) -> str:
+    """One of a list of strings (vLLM's guided choice)."""
+    import re
+
+    if (
+        not isinstance(options, list)
+        or not options
+        or not all(isinstance(o, str) and o for o in options)
+    ):
+        raise BadGrammar("a choice is a non-empty list of non-empty strings")
+    return regex("|".join(re.escape(o) for o in options))
+
+
+@functools.lru_cache(maxsize=256)
+def checked(grammar: str) -> str:
+    """``grammar`` once llguidance compiles it without a tokenizer; BadGrammar naming the
+    first error otherwise."""
+    import llguidance
+
+    limits = llguidance.LLParserLimits(**LIMITS)
+    error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits)
+    if error and not error.startswith("WARNING"):
+        raise BadGrammar(first_line(error))
+    return grammar
+
+
+def first_line(error: str) -> str:
+    """llguidance's message on one line (a regex error draws its caret over several)."""
+    lines = [x.strip() for x in error.strip().splitlines() if x.strip() and x.strip() != "^"]
+    return " ".join(lines)[:500] if lines else "invalid"
