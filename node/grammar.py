@@ -75,7 +75,12 @@ def tokens() -> Tokens:
     if _SOURCE is None or not _SOURCE[0].exists():
         raise GrammarError("this model has no tokenizer.json: its answers cannot be constrained")
     path, eos, vocab = _SOURCE
-    return Tokens(llguidance.LLTokenizer(str(path), n_vocab=vocab, eos_token=list(eos)), vocab)
+    eos = [e for e in eos if 0 <= e < vocab] or None  # else tokenizer.json's own
+    try:
+        tokenizer = llguidance.LLTokenizer(str(path), n_vocab=vocab, eos_token=eos)
+    except (ValueError, RuntimeError) as e:
+        raise GrammarError(f"llguidance cannot read this model's tokenizer ({e})") from None
+    return Tokens(tokenizer, vocab)
 
 
 @functools.lru_cache(maxsize=128)

@@ -62,7 +62,8 @@ class Inbox:
     their tickets, END_OF_INPUT (or the end of the channel) into ``draining`` once every request
     before it is prepared."""
 
-    def __init__(self, stream: IO[bytes], log: Callable[[str], None], prepare=None):
+    def __init__(self, stream: IO[bytes], log: Callable[[str], None], prepare=None,
+                 failed: Callable[[str, str], None] = lambda request, why: None):  # fmt: skip
         self.tickets: queue.Queue[Ticket | None] = queue.Queue()  # prepared; None wakes the loop
         self.known: dict[str, Ticket] = {}  # not yet ended, by id
         self.draining = threading.Event()
@@ -70,6 +71,7 @@ class Inbox:
         self.log = log
         # a Ticket -> the Ticket ready to schedule, or None
         self.prepare = prepare or (lambda ticket: ticket)
+        self.failed = failed  # (request id, why): its answer is an error (500)
         self.lines: queue.Queue[Ticket | None] = queue.Queue()  # to prepare; None: drain
         self.stream = stream  # held: its descriptor must stay ours while the reader reads it
         fd = stream.fileno()
@@ -130,8 +132,9 @@ class Inbox:
                 continue
             try:
                 ready = self.prepare(ticket)
-            except Exception as e:  # a bug in preparing must not end the thread
+            except Exception as e:  # a bug in preparing must not end the thread, nor the request
                 self.log(f"serve: could not prepare request {ticket.request.id}: {e!r}")
+                self.failed(ticket.request.id, f"rank 0 could not prepare it ({type(e).__name__})")
                 ready = None
             if ready is None:
                 self.ended(ticket)
@@ -285,7 +288,8 @@ class Scheduler:
         self.reserved = 0  # tokens of KV the requests in the batch may come to hold
 
     def listen(self, stream: IO[bytes], log: Callable[[str], None]) -> None:
-        self.inbox = Inbox(stream, log, self.prepare)
+        self.inbox = Inbox(stream, log, self.prepare,
+                           lambda rid, why: self.emit(Refused(rid, 500, why)))  # fmt: skip
 
     def piece(self, ticket: Ticket, text: str) -> None:
         ticket.parts.feed(text)

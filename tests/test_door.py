@@ -331,3 +331,28 @@ def test_an_order_waits_for_memory_and_stays_under_its_byte_bound(monkeypatch):
         ns.shared_size({"tokens": [1] * 100, "max_tokens": 1})
     with pytest.raises(ns.Refusal, match="cannot be passed to the other ranks"):
         ns.shared_size({"tokens": [1], "stop": ["\ud800"], "max_tokens": 1})
+
+
+def test_a_request_rank_0_cannot_prepare_is_answered_not_lost():
+    """A bug while preparing (a template, a tokenizer, a grammar) ends that request with a
+    500; it used to be dropped silently, and its client waited forever."""
+    import os
+    import threading
+
+    from node.serve import Inbox
+
+    failed = []
+    done = threading.Event()
+
+    def broken(ticket):
+        raise RuntimeError("boom")
+
+    r, w = os.pipe()
+    inbox = Inbox(os.fdopen(r, "rb"), lambda m: None, broken,
+                  lambda rid, why: (failed.append((rid, why)), done.set()))  # fmt: skip
+    req = ServeRequest(id="r1", kind="completion", sampling=Sampling(), prompt="x")
+    os.write(w, json.dumps({"op": "request", "request": to_dict(req)}).encode() + b"\n")
+    assert done.wait(10)
+    assert failed == [("r1", "rank 0 could not prepare it (RuntimeError)")]
+    assert "r1" not in inbox.known
+    os.close(w)

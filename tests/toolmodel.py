@@ -100,20 +100,27 @@ def conversation(city: str) -> list[tuple[list[dict], str]]:
 
 def make_tool_model(out: Path, steps: int = 200) -> Path:
     """Train, check that greedy decoding gives every trained answer, save; returns ``out``."""
+    pairs = [pair for city in CITIES for pair in conversation(city)]
+    return train_chat_model(out, [(m, [WEATHER_TOOL], a) for m, a in pairs], TEMPLATE, steps)
+
+
+def train_chat_model(out: Path, rows3: list[tuple[list[dict], list | None, str]], template: str,
+                     steps: int = 200) -> Path:  # fmt: skip
+    """A tiny llama trained until greedy decoding gives each (messages, tools, answer)'s
+    answer after the chat template's rendering of its messages and tools; saved in ``out``."""
     from mlx_lm.models import llama
     from tiny import save_sharded, train_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    pairs = [pair for city in CITIES for pair in conversation(city)]
     # the tokenizer is trained on the rendered conversations, so they take few tokens
-    bootstrap = train_tokenizer(out, CONFIG["vocab_size"], TEMPLATE, SPECIAL)
-    texts = [render(bootstrap, m) + answer for m, answer in pairs]
-    tokenizer = train_tokenizer(out, CONFIG["vocab_size"], TEMPLATE, SPECIAL, corpus=texts * 20)
+    bootstrap = train_tokenizer(out, CONFIG["vocab_size"], template, SPECIAL)
+    texts = [render(bootstrap, m, t) + answer for m, t, answer in rows3]
+    tokenizer = train_tokenizer(out, CONFIG["vocab_size"], template, SPECIAL, corpus=texts * 20)
     config = {**CONFIG, "eos_token_id": tokenizer.eos_token_id}
 
     rows = []
-    for messages, answer in pairs:
-        prompt = tokenizer.encode(render(tokenizer, messages), add_special_tokens=False)
+    for messages, tools, answer in rows3:
+        prompt = tokenizer.encode(render(tokenizer, messages, tools), add_special_tokens=False)
         reply = tokenizer.encode(answer, add_special_tokens=False)
         rows.append((prompt, reply))
     width = max(len(p) + len(r) for p, r in rows)
@@ -154,9 +161,9 @@ def make_tool_model(out: Path, steps: int = 200) -> Path:
     return out
 
 
-def render(tokenizer, messages: list[dict]) -> str:
+def render(tokenizer, messages: list[dict], tools: list | None = (WEATHER_TOOL,)) -> str:
     return tokenizer.apply_chat_template(
-        messages, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True
+        messages, tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
     )
 
 
