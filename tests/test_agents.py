@@ -198,10 +198,13 @@ def test_responses_instructions_max_output_tokens_and_refusals(agents):
         agents.openai.responses.create(
             model=agents.model_id, input="hi", previous_response_id="resp_x"
         )
-    with pytest.raises(openai.BadRequestError, match="web_search"):
-        agents.openai.responses.create(
-            model=agents.model_id, input="hi", tools=[{"type": "web_search"}]
-        )
+    # a hosted tool a local model cannot run: left out of the prompt, said in the answer
+    r = agents.openai.responses.create(
+        model=agents.model_id, input="hi", tools=[{"type": "web_search"}], max_output_tokens=3
+    )
+    assert r.model_extra["notes"] == [
+        "hosted tools a local model cannot run were left out: web_search"
+    ]
 
 
 # Anthropic Messages
@@ -295,7 +298,7 @@ def test_anthropic_count_tokens_stop_sequences_and_errors(agents):
             max_tokens=10,
             messages=messages,
             tools=[ANTHROPIC_TOOL],
-            tool_choice={"type": "any"},
+            tool_choice={"type": "tool", "name": "get_time"},  # not among the tools
         )
     assert e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
@@ -315,7 +318,9 @@ def test_openai_refuses_what_it_cannot_do(agents):
     for extra, field in [
         ({"n": 2}, "'n'"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-        ({"tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
+                                                   "function": {"name": "nope"}}},
+         "'tool_choice' names 'nope'"),  # fmt: skip
         ({"top_logprobs": 2}, "'top_logprobs' needs 'logprobs'"),
     ]:
         with pytest.raises(openai.BadRequestError, match=field):
