@@ -218,10 +218,14 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
 
     rank0 = group.rank() == 0
     speculation = loaded.speculation
-    cache = TurnCache(
-        loaded.model, spec.prompt_cache_gb * 1e9, speculation and speculation.proposer, disk,
-        group,
-    )  # fmt: skip
+    from .memory import memory_left
+
+    budget = (
+        spec.prompt_cache_gb * 1e9
+        if spec.prompt_cache_gb is not None
+        else memory_left(spec.ranks_on_host) / 2  # as serve's kept caches
+    )
+    cache = TurnCache(loaded.model, budget, speculation and speculation.proposer, disk, group)
     if rank0:
         inp = Input(launcher_input())
         conversation = Conversation(loaded.tokenizer, spec.request.template)

@@ -23,7 +23,7 @@ from mlx_lm.sample_utils import make_sampler
 from cluster.core.spec import Sampling, to_dict
 
 PENALTY_CONTEXT = 20  # generated tokens a penalty looks back over, as mlx-lm's default
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
+API_SAMPLING = tuple(f.name for f in dataclasses.fields(Sampling))
 
 
 def settings(s: Sampling) -> dict[str, Any]:
@@ -35,7 +35,7 @@ def settings(s: Sampling) -> dict[str, Any]:
 
 def sampling_of(request: dict[str, Any]) -> Sampling:
     """The Sampling of a shared request (``settings`` made it on rank 0)."""
-    return Sampling(**{name: request[name] for name in SAMPLING_FIELDS})
+    return Sampling(**{name: request[name] for name in API_SAMPLING})
 
 
 class RequestFailed(ValueError):

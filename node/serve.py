@@ -534,7 +534,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log, disk=None) -> None:
             "prompt_concurrency": options.prompt_concurrency,
             "prefill_step": spec.prefill_step or PREFILL_STEP,
             "prompt_cache_size": options.prompt_cache_size,
-            "cache_gb": options.serve_cache_gb,
+            "cache_gb": spec.prompt_cache_gb,
         }
 
     agreed = share_from_rank0(setup if rank0 else None, group, "start serving")

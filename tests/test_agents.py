@@ -318,9 +318,13 @@ def test_openai_refuses_what_it_cannot_do(agents):
     for extra, field in [
         ({"n": 2}, "'n'"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
-                                                   "function": {"name": "nope"}}},
-         "'tool_choice' names 'nope'"),  # fmt: skip
+        (
+            {
+                "tools": [WEATHER_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+            },
+            "'tool_choice' names 'nope'",
+        ),  # fmt: skip
         ({"top_logprobs": 2}, "'top_logprobs' needs 'logprobs'"),
     ]:
         with pytest.raises(openai.BadRequestError, match=field):

@@ -30,9 +30,9 @@ BODIES = {  # the smallest valid body of each dialect
     CountTokens: CHAT,
 }
 FIELDS = {  # each dialect's names for our settings (its own table: every one is checked)
-    ChatCompletions: openai.SAMPLING_FIELDS,
-    Responses: responses.SAMPLING_FIELDS,
-    Messages: anthropic.SAMPLING_FIELDS,
+    ChatCompletions: openai.API_SAMPLING,
+    Responses: responses.API_SAMPLING,
+    Messages: anthropic.API_SAMPLING,
 }
 
 

@@ -92,11 +92,31 @@ def test_json_answer(models):
     assert len(answer["peak_memory_gb"]) == 2 and all(m > 0 for m in answer["peak_memory_gb"])
 
 
-def test_bad_sampling_values_are_usage_errors(models):
-    for args in (("--top-p", 0), ("--top-k", -1), ("--min-p", 2), ("--repetition-penalty", 0)):
+def test_bad_sampling_values_are_usage_errors_with_the_api_s_ranges(models):
+    """The command line takes what a request may ask, and nothing else (one Range per
+    parameter, cluster.core.params): -1 means off for --top-k and a random seed for --seed."""
+    bad = [
+        ("--top-p", -0.1),
+        ("--top-k", -2),
+        ("--min-p", 2),
+        ("--temp", 101),
+        ("--repetition-penalty", 0),
+        ("--presence-penalty", 2.5),
+        ("--seed", -2),
+    ]
+    for args in bad:
         p = invoke("launch", "--model", models["llama"], *args, PROMPT)
         assert p.returncode == 2
         assert f"Invalid value for '{args[0]}'" in p.stderr
+    from cluster.commands.run import job_spec, launch
+
+    values = launch.make_context("launch", ["--top-k", "-1", "--seed", "-1", "hi"]).params
+    spec = job_spec("generate", {k: v for k, v in values.items() if k not in
+                                 ("hostfile", "num_ranks", "backend", "accept_new_host_keys",
+                                  "logits", "as_json", "starting_port", "connections_per_ip",
+                                  "heartbeat_timeout", "start_timeout", "stall_timeout",
+                                  "verbose")})  # fmt: skip
+    assert spec.request.sampling.top_k == 0 and spec.request.sampling.seed is None
 
 
 # Penalties and stop strings as units.

@@ -227,7 +227,8 @@ def test_fits_counts_the_ranks_cap_and_the_kv_serve_needs(tmp_path):
     cached = JobSpec(
         model=str(model),
         command="serve",
-        serve=ServeSettings(max_prompt_tokens=1, serve_cache_gb=size / 1e9),
+        serve=ServeSettings(max_prompt_tokens=1),
+        prompt_cache_gb=size / 1e9,
     )
     assert "GB of KV cache" in fits(rest, cached)
 

@@ -5,16 +5,19 @@ Defaults come from the dataclasses of ``cluster.core.spec``, so a default lives 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import sys
 import time
+from collections.abc import Callable
 
 import click
 
 from cluster.core import grammar
 from cluster.core.hostfile import BACKENDS, Hostfile, HostfileError, load_hostfile, local_hostfile
-from cluster.core.modelcheck import MODES, default_draft_path, default_model_path
+from cluster.core.modelcheck import default_draft_path, default_model_path
+from cluster.core.params import Param, params
 from cluster.core.spec import (
     Constraint,
     Draft,
@@ -24,7 +27,6 @@ from cluster.core.spec import (
     Sampling,
     ServeSettings,
     Template,
-    default,
     pick,
 )
 from cluster.core.text import valid_text
@@ -140,6 +142,52 @@ def read_image(ctx, param, path: str | None) -> bytes | None:
     return data
 
 
+def options(cls: type, *names: str, **extra: dict) -> dict:
+    """The click options of ``cls``'s fields (cluster.core.params: each declared once on its
+    field), by field name; ``names``: only those; ``extra``: a field's click arguments that
+    the declaration cannot hold (a file's type, a parsing callback)."""
+    made = {}
+    for name, (f, p) in params(cls).items():
+        if (names and name not in names) or p.flag == "":
+            continue
+        made[name] = option_of(name, f, p, **extra.get(name, {}))
+    return made
+
+
+def option_of(name: str, f: dataclasses.Field, p: Param, **extra) -> Callable:
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    decls = p.toggle.split("/")[0] if p.toggle and "/" not in p.toggle else p.toggle
+    flags = [decls] if decls else [p.flag or "--" + name.replace("_", "-")]
+    if flags[0].startswith("-v/"):
+        flags = flags[0].split("/")
+    kw: dict = {"help": p.help + (f" ({p.range.meaning})" if p.range and p.range.meaning else ""),
+                "show_default": p.show_default, "default": value}  # fmt: skip
+    if p.toggle and "/" not in p.toggle or (p.toggle or "").startswith("-v/"):
+        kw["is_flag"] = True
+    if p.metavar:
+        kw["metavar"] = p.metavar
+    if p.envvar:
+        kw["envvar"] = p.envvar
+    if p.choices:
+        kw["type"] = click.Choice([str(c) for c in p.choices])
+        kw["default"] = None if value is None else str(value)
+        if all(isinstance(c, int) for c in p.choices):
+            kw["callback"] = lambda _ctx, _param, v: None if v is None else int(v)
+    elif p.range is not None:
+        r = p.range
+        kind = click.IntRange if r.integer else click.FloatRange
+        kw["type"] = kind(r.low, r.high, min_open=r.low_open)
+    if p.multiple:
+        kw["multiple"] = True
+        kw["default"] = tuple(value or ())
+        if p.commas:
+            kw["callback"] = lambda _ctx, _param, v: [x for item in v for x in names_list(item)]
+        else:
+            kw["callback"] = lambda _ctx, _param, v: list(v)
+    kw.update(extra)
+    return click.option(*flags, name, **kw)
+
+
 HOST = {
     "hostfile": click.option(
         "--hostfile",
@@ -159,12 +207,6 @@ HOST = {
         help="Collective backend; default: the hostfile's, else ring. nccl: NVIDIA GPUs, one "
         "rank per GPU, tensor mode only.",
     ),
-    "accept_new_host_keys": click.option(
-        "--accept-new-host-keys",
-        is_flag=True,
-        help="Trust and record the SSH host key of a host not yet in known_hosts (like "
-        "OpenSSH's accept-new); a changed key is always refused.",
-    ),
 }
 MODEL = {
     "model": click.option(
@@ -174,433 +216,19 @@ MODEL = {
         help="MLX checkpoint directory or Hugging Face repo; default: the tiny "
         "model embedded in mlx-cluster.",
     ),
-    "mode": click.option(
-        "--mode",
-        type=click.Choice(MODES),
-        default=default(JobSpec, "mode"),
-        show_default=True,
-        help="pipeline: each rank holds a range of layers; tensor: each rank holds "
-        "a slice of every layer.",
-    ),
-    "split": click.option(
-        "--split",
-        default=default(JobSpec, "split"),
-        callback=parse_split,
-        metavar="N,N,...",
-        help="Pipeline mode: layers per rank, rank 0 first (rank 0 holds the last layers). "
-        "Tensor mode: each rank's share of the heads and MLP columns, as proportions (3,1 gives "
-        "rank 0 three quarters). Default: in proportion to the hosts' memory_gb when every "
-        "host gives it, else even.",
-    ),
-    "prefill_step": click.option(
-        "--prefill-step",
-        type=click.IntRange(min=16),
-        default=None,
-        metavar="TOKENS",
-        help="Most prompt tokens prefilled in one step (mlx-lm's prefill_step_size). Default: "
-        "2048, and in pipeline mode smaller for long prompts, so that the stages work on "
-        "different steps at once (docs/benchmarks.md). serve: between two steps the running "
-        "answers decode a token.",
-    ),
-    "blas": click.option(
-        "--blas",
-        type=click.Choice(["auto", "reference"]),
-        default=default(JobSpec, "blas"),
-        show_default=True,
-        help="Linux ranks: auto preloads the host's OpenBLAS when it has one (one thread per "
-        "core shared by the host's ranks); reference keeps the BLAS bundled with mlx[cpu].",
-    ),
+    **options(JobSpec, "mode", "split", "prefill_step", "blas", split={"callback": parse_split}),
 }
-LAUNCH = {  # LaunchSettings: how the launcher runs and watches the ranks
-    "starting_port": click.option(
-        "--starting-port",
-        type=click.IntRange(1, 65535),
-        default=default(LaunchSettings, "starting_port"),
-        help="First ring port (counts up per rank); default: free ports on this "
-        "machine, 32323 on remote hosts.",
-    ),
-    "connections_per_ip": click.option(
-        "--connections-per-ip",
-        type=click.IntRange(min=1),
-        default=default(LaunchSettings, "connections_per_ip"),
-        show_default=True,
-        help="Ring sockets per address.",
-    ),
-    "heartbeat_timeout": click.option(
-        "--heartbeat-timeout",
-        type=click.FloatRange(min=1),
-        default=default(LaunchSettings, "heartbeat_timeout"),
-        show_default=True,
-        help="Give up on a rank that sends nothing (not even its once-a-second heartbeat) "
-        "for this many seconds: stopped, hung, or its host unreachable. A rank that hears "
-        "nothing from the launcher for as long ends itself.",
-    ),
-    "stall_timeout": click.option(
-        "--stall-timeout",
-        type=click.FloatRange(min=1),
-        default=default(LaunchSettings, "stall_timeout"),
-        show_default=True,
-        help="Give up when every rank still beats but none has finished a step (a token, a "
-        "prefill chunk) for this many seconds: a collective that cannot complete, as when a "
-        "cable between two Macs is pulled.",
-    ),
-    "start_timeout": click.option(
-        "--start-timeout",
-        type=click.FloatRange(min=1),
-        default=default(LaunchSettings, "start_timeout"),
-        show_default=True,
-        help="Give up if the ranks have not all loaded the model after this many seconds.",
-    ),
-    "verbose": click.option(
-        "-v",
-        "--verbose",
-        is_flag=True,
-        help="Show every rank's log lines on stderr, prefixed [rank k host].",
-    ),
-}
-SAMPLING = {  # Sampling
-    "max_tokens": click.option(
-        "--max-tokens",
-        type=click.IntRange(min=1),
-        default=default(Sampling, "max_tokens"),
-        show_default=True,
-        help="Most tokens to generate.",
-    ),
-    "temp": click.option(
-        "--temp",
-        type=click.FloatRange(min=0),
-        default=default(Sampling, "temp"),
-        show_default=True,
-        help="Sampling temperature; 0 is greedy.",
-    ),
-    "top_p": click.option(
-        "--top-p",
-        type=click.FloatRange(0, 1, min_open=True),
-        default=default(Sampling, "top_p"),
-        show_default=True,
-        help="Nucleus sampling: keep the most likely tokens up to this probability mass.",
-    ),
-    "top_k": click.option(
-        "--top-k",
-        type=click.IntRange(min=0),
-        default=default(Sampling, "top_k"),
-        show_default=True,
-        help="Keep only the K most likely tokens (0: all).",
-    ),
-    "min_p": click.option(
-        "--min-p",
-        type=click.FloatRange(0, 1),
-        default=default(Sampling, "min_p"),
-        show_default=True,
-        help="Drop tokens less likely than this fraction of the most likely one.",
-    ),
-    "min_tokens_to_keep": click.option(
-        "--min-tokens-to-keep",
-        type=click.IntRange(min=1),
-        default=default(Sampling, "min_tokens_to_keep"),
-        show_default=True,
-        help="The fewest tokens --min-p may leave to sample from.",
-    ),
-    "repetition_penalty": click.option(
-        "--repetition-penalty",
-        type=click.FloatRange(min=0, min_open=True),
-        default=default(Sampling, "repetition_penalty"),
-        help="Divide the logits of tokens generated in the last 20 by this (>1 repeats less); "
-        "the prompt is not penalised.",
-    ),
-    "presence_penalty": click.option(
-        "--presence-penalty",
-        type=float,
-        default=default(Sampling, "presence_penalty"),
-        help="Subtract this from the logits of tokens generated in the last 20 (OpenAI's "
-        "presence_penalty); the prompt is not penalised.",
-    ),
-    "frequency_penalty": click.option(
-        "--frequency-penalty",
-        type=float,
-        default=default(Sampling, "frequency_penalty"),
-        help="Subtract this times a token's count among the last 20 generated (OpenAI's "
-        "frequency_penalty); the prompt is not penalised.",
-    ),
-    "stop": click.option(
-        "--stop",
-        multiple=True,
-        default=default(Sampling, "stop"),
-        metavar="STRING",
-        callback=lambda ctx, param, value: list(value),
-        help="End the answer where this text appears (not printed); repeatable.",
-    ),
-    "seed": click.option(
-        "--seed",
-        type=int,
-        default=default(Sampling, "seed"),
-        help="Random seed, shared by every rank (default: a random one): the same seed gives "
-        "the same text.",
-    ),
-}
-TEMPLATE = {  # Template
-    "system": click.option("--system", default=default(Template, "system"), help="System prompt."),
-    "tools": click.option(
-        "--tools",
-        type=click.Path(exists=True, dir_okay=False),
-        default=default(Template, "tools"),
-        callback=read_tools,
-        help="JSON file with a list of tool schemas (OpenAI style) for the chat template.",
-    ),
-    "enable_thinking": click.option(
-        "--thinking/--no-thinking",
-        "enable_thinking",
-        default=default(Template, "enable_thinking"),
-        help="Pass enable_thinking to the chat template (default: the template's own).",
-    ),
-    "reasoning_effort": click.option(
-        "--reasoning-effort",
-        type=click.Choice(["low", "medium", "high"]),
-        default=default(Template, "reasoning_effort"),
-        help="Pass reasoning_effort to the chat template (gpt-oss and the like).",
-    ),
-}
-SERVE = {  # ServeSettings
-    "host": click.option(
-        "--host",
-        default=default(ServeSettings, "host"),
-        show_default=True,
-        help="Address the API listens on, on this machine (0.0.0.0 opens it to the network).",
-    ),
-    "port": click.option(
-        "--port",
-        type=click.IntRange(0, 65535),
-        default=default(ServeSettings, "port"),
-        show_default=True,
-    ),
-    "api_key": click.option(
-        "--api-key",
-        envvar="MLX_CLUSTER_API_KEY",
-        default=default(ServeSettings, "api_key"),
-        help="Require 'Authorization: Bearer KEY' (better: set MLX_CLUSTER_API_KEY, which keeps "
-        "it out of the process list).",
-    ),
-    "decode_concurrency": click.option(
-        "--decode-concurrency",
-        type=click.IntRange(min=1),
-        default=default(ServeSettings, "decode_concurrency"),
-        show_default=True,
-        help="Most requests decoded together in one batch (more wait their turn).",
-    ),
-    "prompt_concurrency": click.option(
-        "--prompt-concurrency",
-        type=click.IntRange(min=1),
-        default=default(ServeSettings, "prompt_concurrency"),
-        show_default=True,
-        help="Most prompts prefilled together.",
-    ),
-    "measure_links": click.option(
-        "--measure-links/--no-measure-links",
-        default=default(JobSpec, "measure_links"),
-        show_default=True,
-        help="As the ranks start (and restart), measure each link they use as `doctor --links` "
-        "does (round trip, bandwidth of 8 MB, all_sum; before the model loads, a fraction of a "
-        "second per link) and show it on the page and in `status`, the slow link named.",
-    ),
-    "max_stall": click.option(
-        "--max-stall",
-        type=click.FloatRange(min=0),
-        default=default(ServeSettings, "max_stall"),
-        show_default=True,
-        help="Seconds a prefill step may pause answers already decoding: while any are, a "
-        "long prompt's steps shrink to what the ranks prefill in this time (measured as they "
-        "go; at least 32 tokens). 0: steps of --prefill-step always.",
-    ),
-    "prompt_cache_size": click.option(
-        "--prompt-cache-size",
-        type=click.IntRange(min=0),
-        default=default(ServeSettings, "prompt_cache_size"),
-        show_default=True,
-        help="Finished answers whose KV caches every rank keeps; a request that starts with one "
-        "(a chat sent again with a new turn) prefills only the rest. 0: no cache.",
-    ),
-    "serve_cache_gb": click.option(
-        "--prompt-cache-gb",
-        "serve_cache_gb",
-        type=click.FloatRange(min=0),
-        default=default(ServeSettings, "serve_cache_gb"),
-        help="Most KV cache of kept answers per rank, in GB; the least-recently used go first, "
-        "decided alike on every rank. Default: half the memory left on the rank after the "
-        "weights.",
-    ),
-    "max_tokens_cap": click.option(
-        "--max-tokens-cap",
-        type=click.IntRange(min=1),
-        default=default(ServeSettings, "max_tokens_cap"),
-        show_default=True,
-        help="The most max_tokens a request may ask (more: 400). Rank 0 also lowers a "
-        "request's max_tokens to what the model's context leaves after its prompt.",
-    ),
-    "max_prompt_tokens": click.option(
-        "--max-prompt-tokens",
-        type=click.IntRange(min=1),
-        default=default(ServeSettings, "max_prompt_tokens"),
-        help="The longest prompt in tokens (longer: 400). Default: the model's context "
-        "(max_position_embeddings).",
-    ),
-    "max_body_mb": click.option(
-        "--max-body-mb",
-        type=click.FloatRange(min=0, min_open=True),
-        default=default(ServeSettings, "max_body_mb"),
-        show_default=True,
-        help="The largest request body in MB (larger: 413); 16 MB holds a 128k-token prompt "
-        "several times over.",
-    ),
-    "max_connections": click.option(
-        "--max-connections",
-        type=click.IntRange(min=1),
-        default=default(ServeSettings, "max_connections"),
-        show_default=True,
-        help="Open HTTP connections at once; past it a new one gets 503 with Retry-After.",
-    ),
-    "read_timeout": click.option(
-        "--read-timeout",
-        type=click.FloatRange(min=0, min_open=True),
-        default=default(ServeSettings, "read_timeout"),
-        show_default=True,
-        help="Seconds a request's line, headers and body may take to arrive (then the "
-        "connection is closed): a slow client cannot hold the server.",
-    ),
-    "allowed_hosts": click.option(
-        "--allowed-hosts",
-        multiple=True,
-        default=(),
-        callback=lambda _ctx, _param, v: [x for item in v for x in names_list(item)],
-        metavar="NAMES",
-        help="Host names the API answers to besides loopback, IP addresses and this machine's "
-        "own names (repeat it, or comma-separate; '*' for any): a request whose Host header names "
-        "another gets 403, so a web page cannot reach the API through DNS rebinding. Add the "
-        "name a reverse proxy or your LAN uses for this machine.",
-    ),
-    "cors_origins": click.option(
-        "--cors-origins",
-        multiple=True,
-        default=(),
-        callback=lambda _ctx, _param, v: [x for item in v for x in names_list(item)],
-        metavar="ORIGINS",
-        help="Browser origins (e.g. http://localhost:3000; repeat it or comma-separate; '*' "
-        "for any) that may call the API from a web page; any other page's request gets 403.",
-    ),
-    "drain_timeout": click.option(
-        "--drain-timeout",
-        type=click.FloatRange(min=0),
-        default=default(ServeSettings, "drain_timeout"),
-        show_default=True,
-        help="On Ctrl-C or SIGTERM, the longest wait (s) for answers under way before they are "
-        "cut.",
-    ),
-    "max_restarts": click.option(
-        "--max-restarts",
-        type=click.IntRange(min=0),
-        default=default(ServeSettings, "max_restarts"),
-        show_default=True,
-        help="Restarts of the ranks allowed within --restart-window; one more failure ends "
-        "serve (exit 1). 0: the first failure ends it.",
-    ),
-    "restart_window_s": click.option(
-        "--restart-window",
-        "restart_window_s",
-        type=click.FloatRange(min=1),
-        default=default(ServeSettings, "restart_window_s"),
-        show_default=True,
-        help="Seconds over which --max-restarts counts failures.",
-    ),
-    "restart_wait": click.option(
-        "--restart-wait",
-        type=click.FloatRange(min=0),
-        default=default(ServeSettings, "restart_wait"),
-        show_default=True,
-        help="Longest a request waits (s) for the ranks to start or restart; then 503 with "
-        "Retry-After.",
-    ),
-}
-KV = {  # KVQuant: a quantized KV cache
-    "kv_bits": click.option(
-        "--kv-bits",
-        type=click.Choice(["2", "3", "4", "5", "6", "8"]),
-        callback=lambda _ctx, _param, v: None if v is None else int(v),
-        default=None,
-        help="Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache): 4 bits "
-        "holds a context about 3.5x longer than 16-bit. Default: not quantized.",
-    ),
-    "kv_group_size": click.option(
-        "--kv-group-size",
-        type=click.Choice(["32", "64", "128"]),
-        callback=lambda _ctx, _param, v: int(v),
-        default=str(default(KVQuant, "kv_group_size")),
-        show_default=True,
-        help="Values sharing one scale and bias in the quantized KV cache.",
-    ),
-    "quantized_kv_start": click.option(
-        "--quantized-kv-start",
-        type=click.IntRange(min=0),
-        default=default(KVQuant, "quantized_kv_start"),
-        show_default=True,
-        help="Tokens in the cache before it is quantized (mlx-lm's default).",
-    ),
-}
-DRAFT = {  # Draft: speculative decoding
-    "draft_model": click.option(
-        "--draft-model",
-        default=default(Draft, "draft_model"),
-        metavar="PATH_OR_REPO",
-        help="Speculative decoding: a small model with the same tokenizer proposes tokens, "
-        "loaded whole on every rank; the model verifies --num-draft-tokens + 1 in one pass. "
-        "The text is the same as without it. 'default': the embedded default model's draft.",
-    ),
-    "num_draft_tokens": click.option(
-        "--num-draft-tokens",
-        type=click.IntRange(1, 64),
-        default=default(Draft, "num_draft_tokens"),
-        show_default=True,
-        help="Tokens proposed per verifying pass (with --draft-model or --prompt-lookup).",
-    ),
-    "draft_on": click.option(
-        "--draft-on",
-        type=click.Choice(["every", "rank0"]),
-        default=default(Draft, "draft_on"),
-        show_default=True,
-        help="Where --draft-model runs: on every rank (each proposes the same tokens, no "
-        "communication; each holds the draft's weights), or on rank 0 only (its logits are "
-        "shared with one all_sum per drafted token; the other ranks need no draft).",
-    ),
-    "prompt_lookup": click.option(
-        "--prompt-lookup",
-        type=click.IntRange(0, 64),
-        default=default(Draft, "prompt_lookup"),
-        show_default=True,
-        metavar="N",
-        help="Speculative decoding without a draft model: propose what followed the last N "
-        "tokens (or fewer) where they occurred before in the prompt or answer. 0: off.",
-    ),
-}
-DISK = {  # the prompt cache's disk tier
-    "prompt_cache_disk_gb": click.option(
-        "--prompt-cache-disk-gb",
-        type=click.FloatRange(min=0),
-        default=default(JobSpec, "prompt_cache_disk_gb"),
-        show_default=True,
-        metavar="GB",
-        help="Keep prompts' KV caches on each host's disk too, at most this many GB per host: "
-        "a prompt that starts like an earlier one (an agent's system prompt and tools, a "
-        "conversation sent again) reads that part instead of prefilling it, also after a "
-        "restart. Each rank keeps its own layers' or heads' part. 0: off.",
-    ),
-    "prompt_cache_dir": click.option(
-        "--prompt-cache-dir",
-        default=None,
-        metavar="DIR",
-        help="Where each host keeps the disk tier: it makes a folder of its own in DIR, "
-        "mlx-cluster-kv (0700), and reads, writes and removes only there (default DIR: "
-        "~/.cache/mlx-cluster, or under $XDG_CACHE_HOME). One store holds many models and "
-        "plans, and may be shared by several jobs of one user.",
-    ),
-}
+LAUNCH = options(LaunchSettings)  # how the launcher runs and watches the ranks
+HOST["accept_new_host_keys"] = LAUNCH.pop("accept_new_host_keys")  # every command reaching hosts
+SAMPLING = options(Sampling)
+TEMPLATE = options(
+    Template, tools={"type": click.Path(exists=True, dir_okay=False), "callback": read_tools}
+)
+SERVE = {**options(ServeSettings), **options(JobSpec, "measure_links")}
+KV = options(KVQuant)  # a quantized KV cache
+DRAFT = options(Draft)  # speculative decoding
+DISK = options(JobSpec, "prompt_cache_disk_gb", "prompt_cache_dir")  # the disk tier
+CACHE = {**options(JobSpec, "prompt_cache_gb"), **DISK}  # chat's and serve's prompt cache
 
 
 def read_schema(ctx, param, path: str | None) -> str | None:
@@ -641,7 +269,7 @@ CONSTRAIN = {  # Request.constraint
 }
 
 
-OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE, **DRAFT, **KV, **DISK,
+OPTIONS = {**HOST, **MODEL, **LAUNCH, **SAMPLING, **TEMPLATE, **SERVE, **DRAFT, **KV, **CACHE,
            **CONSTRAIN}  # fmt: skip
 
 

@@ -28,7 +28,7 @@ from cluster.core.spec import (
     Sampling,
     ServeSettings,
     Template,
-    default,
+    normalized,
     pick,
 )
 from cluster.core.text import valid_text
@@ -40,7 +40,7 @@ def job_spec(command: str, values: dict, **fields) -> JobSpec:
     named like its fields)."""
     request = Request(
         prompt=valid_text(values.pop("prompt", "")),
-        sampling=pick(Sampling, values),
+        sampling=normalized(pick(Sampling, values)),
         template=pick(Template, values),
         image=values.pop("image", None),
         constraint=constraint_of(values),
@@ -63,6 +63,11 @@ def job_spec(command: str, values: dict, **fields) -> JobSpec:
         prompt_cache_disk_gb=values.pop("prompt_cache_disk_gb"),
         prompt_cache_dir=values.pop("prompt_cache_dir"),
         blas=values.pop("blas"),
+        **{
+            name: values.pop(name)
+            for name in ("prompt_cache_gb", "measure_links")
+            if name in values
+        },
         **fields,
     )
     if values:  # an option that no dataclass field takes: a bug, not the user's error
@@ -145,14 +150,8 @@ def answer_json(text: str, result: JobResult) -> dict:
 @click.command()
 @job_options
 @sampling_options
-@click.option(
-    "--prompt-cache-gb",
-    type=click.FloatRange(min=0),
-    default=default(JobSpec, "prompt_cache_gb"),
-    show_default=True,
-    help="Most KV cache each rank keeps between turns (over it, the next turn starts afresh).",
-)
-def chat(prompt_cache_gb, **values):
+@with_options("prompt_cache_gb")
+def chat(**values):
     """Talk to the model turn by turn: a line on stdin is a turn, rank 0's answer goes to stdout.
 
     Every rank keeps the KV cache of its layers between turns, so a turn prefills only its own
@@ -166,7 +165,7 @@ def chat(prompt_cache_gb, **values):
       printf 'Hi\\nTell me more\\n' | mlx-cluster chat --hostfile hostfiles/thunderbolt-ring.yaml
     """
     hf, settings = hosts_and_launch(values)
-    spec = job_spec("chat", values, prompt_cache_gb=prompt_cache_gb)
+    spec = job_spec("chat", values)
     if sys.stdin.isatty():
         click.echo(
             "mlx-cluster: chat; /reset forgets, /exit or Ctrl-D ends, Ctrl-C stops an answer",
@@ -186,7 +185,7 @@ def chat(prompt_cache_gb, **values):
     "max_stall",
     "measure_links",
     "prompt_cache_size",
-    "serve_cache_gb",
+    "prompt_cache_gb",
     "max_tokens_cap",
     "max_prompt_tokens",
     "max_body_mb",
@@ -239,7 +238,7 @@ def serve(**values):
     from cluster.serve.service import serve_until_done
 
     hf, settings = hosts_and_launch(values)
-    spec = job_spec("serve", values, measure_links=values.pop("measure_links"))
+    spec = job_spec("serve", values)
     if spec.kv_quant.kv_bits is not None:
         raise click.UsageError(
             "--kv-bits: serve decodes its requests as one batch (mlx-lm's BatchGenerator), "

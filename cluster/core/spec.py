@@ -17,36 +17,132 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from cluster.core.params import ALL, OPENAI, RESPONSES, Range, param
+
 T = TypeVar("T")
 COMMANDS = ("generate", "logits", "chat", "serve", "bench", "links")
 
 
 @dataclass
 class Sampling:
-    """How tokens are chosen; identical on every rank (rank 0 draws a missing seed)."""
+    """How tokens are chosen; identical on every rank (rank 0 draws a missing seed). Each
+    field is declared once (cluster.core.params): its default, the values it takes on the
+    command line and in a request, its help, and its name in each API dialect."""
 
-    max_tokens: int = 256
-    temp: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    min_tokens_to_keep: int = 1  # the fewest tokens min-p may leave
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stop: list[str] = field(default_factory=list)  # rank 0 decides, every rank agrees
-    seed: int | None = None
+    max_tokens: int = param(256, Range(1, integer=True), "Most tokens to generate.")
+    temp: float = param(
+        0.0,
+        Range(0, 100, meaning="0 is greedy"),
+        "Sampling temperature.",
+        api="temperature",
+        dialects=ALL,
+    )
+    top_p: float = param(
+        1.0,
+        Range(0, 1, meaning="0 or 1: off"),
+        "Nucleus sampling: keep the most likely tokens up to this probability mass.",
+        api="top_p",
+        dialects=ALL,
+    )
+    top_k: int = param(
+        0,
+        Range(
+            -1, 2**31 - 1, integer=True, meaning="-1 or 0: off; the vocabulary size or more: off"
+        ),
+        "Keep only the K most likely tokens.",
+        api="top_k",
+        dialects=ALL,
+    )
+    min_p: float = param(
+        0.0,
+        Range(0, 1, meaning="0: off"),
+        "Drop tokens less likely than this fraction of the most likely one.",
+        api="min_p",
+        dialects=(OPENAI,),
+    )
+    min_tokens_to_keep: int = param(
+        1, Range(1, integer=True), "The fewest tokens --min-p may leave to sample from."
+    )
+    repetition_penalty: float | None = param(
+        None,
+        Range(0, 10, low_open=True, meaning="1: off"),
+        "Divide the logits of tokens "
+        "generated in the last 20 by this (>1 repeats less); the prompt is not penalised.",
+        api="repetition_penalty",
+        dialects=(OPENAI,),
+        show_default=False,
+    )
+    presence_penalty: float | None = param(
+        None,
+        Range(-2, 2),
+        "Subtract this from the logits of tokens generated in the last 20 "
+        "(OpenAI's presence_penalty); the prompt is not penalised.",
+        api="presence_penalty",
+        dialects=(OPENAI,),
+        show_default=False,
+    )
+    frequency_penalty: float | None = param(
+        None,
+        Range(-2, 2),
+        "Subtract this times a token's count among the last 20 generated "
+        "(OpenAI's frequency_penalty); the prompt is not penalised.",
+        api="frequency_penalty",
+        dialects=(OPENAI,),
+        show_default=False,
+    )
+    stop: list[str] = param(
+        help="End the answer where this text appears (not printed); repeatable.",
+        default_factory=list,
+        multiple=True,
+        metavar="STRING",
+    )  # rank 0 decides, every rank agrees
+    seed: int | None = param(
+        None,
+        Range(-1, 2**63 - 1, integer=True, meaning="-1: a random seed"),
+        "Random seed, shared by every rank (default: a random "
+        "one): the same seed gives the same text.",
+        api="seed",
+        dialects=(OPENAI, RESPONSES),
+        show_default=False,
+    )
     logit_bias: dict[str, float] | None = None  # token id (as text) -> added to its logit
+
+
+def normalized(s: Sampling) -> Sampling:
+    """The conventions every range admits, as the ranks take them: top_k -1 is 0 (off),
+    seed -1 is None (a random one, drawn by rank 0)."""
+    changes: dict[str, Any] = {}
+    if s.top_k == -1:
+        changes["top_k"] = 0
+    if s.seed == -1:
+        changes["seed"] = None
+    return dataclasses.replace(s, **changes) if changes else s
 
 
 @dataclass
 class Template:
     """Switches for the model's chat template."""
 
-    system: str | None = None
-    tools: list | None = None  # OpenAI-style tool schemas
-    enable_thinking: bool | None = None
-    reasoning_effort: str | None = None
+    system: str | None = param(None, help="System prompt.", show_default=False)
+    tools: list | None = param(
+        None,
+        help="JSON file with a list of tool schemas (OpenAI style) for the chat template.",
+        flag="--tools",
+        metavar="FILE",
+        show_default=False,
+    )
+    enable_thinking: bool | None = param(
+        None,
+        help="Pass enable_thinking to the chat template (default: the template's own).",
+        toggle="--thinking/--no-thinking",
+        show_default=False,
+    )
+    reasoning_effort: str | None = param(
+        None,
+        help="Pass reasoning_effort to the chat template (gpt-oss and the like).",
+        choices=("low", "medium", "high"),
+        show_default=False,
+    )
 
 
 @dataclass
@@ -77,25 +173,118 @@ class Request:
 class ServeSettings:
     """``serve``: where the launcher's API listens, how rank 0 batches, how failures restart."""
 
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_key: str | None = None  # stays in the launcher's process: never in argv or a rank's spec
-    drain_timeout: float = 30.0  # on SIGINT/SIGTERM, the longest wait for answers under way
-    max_restarts: int = 3  # restarts of the ranks within restart_window_s; past it, serve exits
-    restart_window_s: float = 600.0
-    restart_wait: float = 120.0  # longest a request waits for ranks that (re)start: then 503
-    decode_concurrency: int = 32  # most requests decoded together
-    prompt_concurrency: int = 8  # most prompts prefilled together
-    max_stall: float = 0.25  # longest a prefill step may pause running streams (0: off)
-    prompt_cache_size: int = 10  # finished answers whose caches every rank keeps (0: none)
-    serve_cache_gb: float | None = None  # their most KV per rank (None: from memory left)
-    max_tokens_cap: int = 32768  # the most max_tokens a request may ask
-    max_prompt_tokens: int | None = None  # the longest prompt (None: the model's context)
-    max_body_mb: float = 16.0  # the largest request body
-    max_connections: int = 256  # open HTTP connections at once (503 past it)
-    read_timeout: float = 30.0  # a request's line, headers and body must arrive within this
-    allowed_hosts: list[str] = field(default_factory=list)  # Host names besides loopback's
-    cors_origins: list[str] = field(default_factory=list)  # browser origins the API answers
+    host: str = param(
+        "127.0.0.1",
+        help="Address the API listens on, on this machine (0.0.0.0 opens it to the network).",
+    )
+    port: int = param(8080, Range(0, 65535, integer=True), "Port the API listens on.")
+    api_key: str | None = param(
+        None,
+        help="Require 'Authorization: Bearer KEY' (better: set "
+        "MLX_CLUSTER_API_KEY, which keeps it out of the process list).",
+        envvar="MLX_CLUSTER_API_KEY",
+        show_default=False,
+    )
+    drain_timeout: float = param(
+        30.0,
+        Range(0),
+        "On Ctrl-C or SIGTERM, the longest wait (s) for answers under way before they are cut.",
+    )
+    max_restarts: int = param(
+        3,
+        Range(0, integer=True),
+        "Restarts of the ranks allowed within "
+        "--restart-window; one more failure ends serve (exit 1). 0: the "
+        "first failure ends it.",
+    )
+    restart_window_s: float = param(
+        600.0,
+        Range(1),
+        "Seconds over which --max-restarts counts failures.",
+        flag="--restart-window",
+    )
+    restart_wait: float = param(
+        120.0,
+        Range(0),
+        "Longest a request waits (s) for the ranks to start or restart; then 503 with Retry-After.",
+    )
+    decode_concurrency: int = param(
+        32,
+        Range(1, integer=True),
+        "Most requests decoded together in one batch (more wait their turn).",
+    )
+    prompt_concurrency: int = param(8, Range(1, integer=True), "Most prompts prefilled together.")
+    max_stall: float = param(
+        0.25,
+        Range(0),
+        "Seconds a prefill step may pause answers already "
+        "decoding: while any are, a long prompt's steps shrink to what "
+        "the ranks prefill in this time (measured as they go; at least "
+        "32 tokens). 0: steps of --prefill-step always.",
+    )
+    prompt_cache_size: int = param(
+        10,
+        Range(0, integer=True),
+        "Finished answers whose KV "
+        "caches every rank keeps; a request that starts with one (a "
+        "chat sent again with a new turn) prefills only the rest. 0: "
+        "no cache.",
+    )
+    max_tokens_cap: int = param(
+        32768,
+        Range(1, integer=True),
+        "The most max_tokens a request "
+        "may ask (more: 400). Rank 0 also lowers a request's max_tokens "
+        "to what the model's context leaves after its prompt.",
+    )
+    max_prompt_tokens: int | None = param(
+        None,
+        Range(1, integer=True),
+        "The longest prompt in "
+        "tokens (longer: 400). Default: the model's context "
+        "(max_position_embeddings).",
+        show_default=False,
+    )
+    max_body_mb: float = param(
+        16.0,
+        Range(0, low_open=True),
+        "The largest request body in MB "
+        "(larger: 413); 16 MB holds a 128k-token prompt several times "
+        "over.",
+    )
+    max_connections: int = param(
+        256,
+        Range(1, integer=True),
+        "Open HTTP connections at once; past it a new one gets 503 with Retry-After.",
+    )
+    read_timeout: float = param(
+        30.0,
+        Range(0, low_open=True),
+        "Seconds a request's line, "
+        "headers and body may take to arrive (then the connection is "
+        "closed): a slow client cannot hold the server.",
+    )
+    allowed_hosts: list[str] = param(
+        help="Host names the API answers to besides loopback, IP "
+        "addresses and this machine's own names (repeat it, or "
+        "comma-separate; '*' for any): a request whose Host header "
+        "names another gets 403, so a web page cannot reach the "
+        "API through DNS rebinding. Add the name a reverse proxy "
+        "or your LAN uses for this machine.",
+        default_factory=list,
+        multiple=True,
+        commas=True,
+        metavar="NAMES",
+    )
+    cors_origins: list[str] = param(
+        help="Browser origins (e.g. http://localhost:3000; repeat "
+        "it or comma-separate; '*' for any) that may call the API "
+        "from a web page; any other page's request gets 403.",
+        default_factory=list,
+        multiple=True,
+        commas=True,
+        metavar="ORIGINS",
+    )
 
 
 @dataclass
@@ -122,9 +311,24 @@ class KVQuant:
     each rank quantizes its own layers' or heads' cache once it holds ``quantized_kv_start``
     tokens."""
 
-    kv_bits: int | None = None  # None: the full-precision cache
-    kv_group_size: int = 64
-    quantized_kv_start: int = 5000  # mlx-lm's default
+    kv_bits: int | None = param(
+        None,
+        help="Quantize the KV cache to this many bits (mlx-lm's "
+        "QuantizedKVCache): 4 bits holds a context about 3.5x longer "
+        "than 16-bit. Default: not quantized.",
+        choices=(2, 3, 4, 5, 6, 8),
+        show_default=False,
+    )
+    kv_group_size: int = param(
+        64,
+        help="Values sharing one scale and bias in the quantized KV cache.",
+        choices=(32, 64, 128),
+    )
+    quantized_kv_start: int = param(
+        5000,
+        Range(0, integer=True),
+        "Tokens in the cache before it is quantized (mlx-lm's default).",
+    )
 
     def generate_kwargs(self) -> dict:
         """mlx-lm's generate_step arguments."""
@@ -139,10 +343,37 @@ class Draft:
     """Speculative decoding (every rank alike): who proposes the tokens that the sharded model
     verifies K+1 at a time. At most one of ``draft_model`` and ``prompt_lookup``."""
 
-    draft_model: str | None = None  # a small model with the same tokenizer, whole on each rank
-    num_draft_tokens: int = 3  # K: tokens proposed per verifying pass
-    prompt_lookup: int = 0  # proposals from n-grams (up to this long) of the prompt and answer
-    draft_on: str = "every"  # the draft model on every rank, or on "rank0" (proposals shared)
+    draft_model: str | None = param(
+        None,
+        help="Speculative decoding: a small model with the "
+        "same tokenizer proposes tokens, loaded whole on every "
+        "rank; the model verifies --num-draft-tokens + 1 in one "
+        "pass. The text is the same as without it. 'default': the "
+        "embedded default model's draft.",
+        metavar="PATH_OR_REPO",
+        show_default=False,
+    )
+    num_draft_tokens: int = param(
+        3,
+        Range(1, 64, integer=True),
+        "Tokens proposed per verifying pass (with --draft-model or --prompt-lookup).",
+    )
+    prompt_lookup: int = param(
+        0,
+        Range(0, 64, integer=True),
+        "Speculative decoding without a "
+        "draft model: propose what followed the last N tokens (or fewer) "
+        "where they occurred before in the prompt or answer. 0: off.",
+        metavar="N",
+    )
+    draft_on: str = param(
+        "every",
+        help="Where --draft-model runs: on every rank (each proposes "
+        "the same tokens, no communication; each holds the draft's weights), "
+        "or on rank 0 only (its logits are shared with one all_sum per "
+        "drafted token; the other ranks need no draft).",
+        choices=("every", "rank0"),
+    )
 
     @property
     def on(self) -> bool:
@@ -165,24 +396,93 @@ class JobSpec:
 
     model: str
     command: str = "generate"  # one of COMMANDS
-    mode: str = "pipeline"
+    mode: str = param(
+        "pipeline",
+        help="pipeline: each rank holds a range of layers; tensor: "
+        "each rank holds a slice of every layer.",
+        choices=("pipeline", "tensor"),
+    )
     world_size: int = 1
-    split: list[int] | None = None  # pipeline layers per rank (rank 0 holds the last layers)
+    split: list[int] | None = param(
+        None,
+        help="Pipeline mode: layers per rank, rank 0 first "
+        "(rank 0 holds the last layers). Tensor mode: each rank's "
+        "share of the heads and MLP columns, as proportions (3,1 "
+        "gives rank 0 three quarters). Default: in proportion to "
+        "the hosts' memory_gb when every host gives it, else even.",
+        metavar="N,N,...",
+        show_default=False,
+    )
     split_weights: list[float] | None = None  # per-rank memory, for a weighted split
-    prefill_step: int | None = None  # prompt tokens per prefill step (None: for mode and N)
-    prompt_cache_gb: float = 4.0  # chat: the most KV cache each rank keeps between turns
-    prompt_cache_disk_gb: float = 0.0  # each host's disk tier of the prompt cache (0: off)
-    prompt_cache_dir: str | None = None  # its folder on each host (None: the user's cache)
+    prefill_step: int | None = param(
+        None,
+        Range(16, integer=True),
+        "Most prompt tokens "
+        "prefilled in one step (mlx-lm's prefill_step_size). "
+        "Default: 2048, and in pipeline mode smaller for long "
+        "prompts, so that the stages work on different steps at "
+        "once (docs/benchmarks.md). serve: between two steps the "
+        "running answers decode a token.",
+        metavar="TOKENS",
+        show_default=False,
+    )
+    prompt_cache_gb: float | None = param(
+        None,
+        Range(0),
+        "Most KV cache each rank keeps for "
+        "reuse, in GB (chat: the conversation's between "
+        "turns, over it the next turn starts afresh; serve: "
+        "finished answers', the least recently used dropped "
+        "alike on every rank). Default: half the memory left "
+        "on the rank after the weights.",
+        show_default=False,
+    )
+    prompt_cache_disk_gb: float = param(
+        0.0,
+        Range(0),
+        "Keep prompts' KV caches on each host's "
+        "disk too, at most this many GB per host: a prompt that "
+        "starts like an earlier one (an agent's system prompt "
+        "and tools, a conversation sent again) reads that part "
+        "instead of prefilling it, also after a restart. Each "
+        "rank keeps its own layers' or heads' part. 0: off.",
+        metavar="GB",
+    )
+    prompt_cache_dir: str | None = param(
+        None,
+        help="Where each host keeps the disk tier: it "
+        "makes a folder of its own in DIR, mlx-cluster-kv "
+        "(0700), and reads, writes and removes only there "
+        "(default DIR: ~/.cache/mlx-cluster, or under "
+        "$XDG_CACHE_HOME). One store holds many models and "
+        "plans, and may be shared by several jobs of one user.",
+        metavar="DIR",
+        show_default=False,
+    )
     request: Request = field(default_factory=Request)
     serve: ServeSettings = field(default_factory=ServeSettings)
     bench: BenchSettings = field(default_factory=BenchSettings)
     draft: Draft = field(default_factory=Draft)
     kv_quant: KVQuant = field(default_factory=KVQuant)
-    blas: str = "auto"  # Linux ranks: "auto" preloads an optimized BLAS when found, "reference"
+    blas: str = param(
+        "auto",
+        help="Linux ranks: auto preloads the host's OpenBLAS when it has "
+        "one (one thread per core shared by the host's ranks); reference keeps "
+        "the BLAS bundled with mlx[cpu].",
+        choices=("auto", "reference"),
+    )
     ranks_on_host: int = 1  # ranks sharing this rank's host (BLAS threads = cores / this)
     launcher_timeout: float = 30.0  # the rank ends itself when the launcher is silent this long
     hostfile_backend: str = "ring"  # ring, jaccl, jaccl-ring, nccl (links: which pairs it joins)
-    measure_links: bool = True  # serve: every rank measures its links (doctor --links) at start
+    measure_links: bool = param(
+        True,
+        help="As the ranks start (and restart), measure each link "
+        "they use as `doctor --links` does (round trip, bandwidth of 8 "
+        "MB, all_sum; before the model loads, a fraction of a second "
+        "per link) and show it on the page and in `status`, the slow "
+        "link named.",
+        toggle="--measure-links/--no-measure-links",
+    )
 
     def to_json(self) -> str:
         return json.dumps(to_dict(self))
@@ -205,13 +505,50 @@ class JobSpec:
 class LaunchSettings:
     """How the launcher runs and watches the ranks (never sent to them)."""
 
-    starting_port: int | None = None
-    connections_per_ip: int = 1
-    heartbeat_timeout: float = 30.0  # both ways: ranks to the launcher and back
-    start_timeout: float = 1800.0
-    stall_timeout: float = 120.0  # every rank beats but none makes progress: a stuck collective
-    accept_new_host_keys: bool = False
-    verbose: bool = False
+    starting_port: int | None = param(
+        None,
+        Range(1, 65535, integer=True),
+        "First ring port "
+        "(counts up per rank); default: free ports on this "
+        "machine, 32323 on remote hosts.",
+        show_default=False,
+    )
+    connections_per_ip: int = param(1, Range(1, integer=True), "Ring sockets per address.")
+    heartbeat_timeout: float = param(
+        30.0,
+        Range(1),
+        "Give up on a rank that sends nothing (not "
+        "even its once-a-second heartbeat) for this many seconds: "
+        "stopped, hung, or its host unreachable. A rank that hears "
+        "nothing from the launcher for as long ends itself.",
+    )
+    start_timeout: float = param(
+        1800.0,
+        Range(1),
+        "Give up if the ranks have not all loaded the model after this many seconds.",
+    )
+    stall_timeout: float = param(
+        120.0,
+        Range(1),
+        "Give up when every rank still beats but none "
+        "has finished a step (a token, a prefill chunk) for this many "
+        "seconds: a collective that cannot complete, as when a cable "
+        "between two Macs is pulled.",
+    )
+    accept_new_host_keys: bool = param(
+        False,
+        help="Trust and record the SSH host key of a host "
+        "not yet in known_hosts (like OpenSSH's accept-new); a "
+        "changed key is always refused.",
+        toggle="--accept-new-host-keys",
+        show_default=False,
+    )
+    verbose: bool = param(
+        False,
+        help="Show every rank's log lines on stderr, prefixed [rank k host].",
+        toggle="-v/--verbose",
+        show_default=False,
+    )
 
 
 def default(cls: type, name: str) -> Any:

@@ -15,7 +15,7 @@ from cluster.core.modelcheck import (
     text_config,
 )
 from cluster.core.shards import pipeline_split
-from cluster.core.spec import JobSpec, ServeSettings
+from cluster.core.spec import JobSpec
 from cluster.core.tensorplan import check_mode
 
 
@@ -56,7 +56,7 @@ def fits(hostfile: Hostfile, spec: JobSpec) -> str | None:
         return f"the model {spec.model} is not on this machine to measure"
     try:
         shares = model_shares(spec.model, spec.mode, hostfile, spec.split)
-        kv = kv_bytes(read_config(Path(spec.model).expanduser()), spec.serve)
+        kv = kv_bytes(read_config(Path(spec.model).expanduser()), spec)
     except (ModelError, ValueError) as e:
         return str(e)
     hosts = hostfile.rank_hosts()
@@ -73,7 +73,7 @@ def fits(hostfile: Hostfile, spec: JobSpec) -> str | None:
     return None
 
 
-def kv_bytes(config: dict, serve: ServeSettings) -> float:
+def kv_bytes(config: dict, spec: JobSpec) -> float:
     """The KV cache serve needs across all ranks, from the model's config: one request at
     the longest prompt it takes (fp16 keys and values of every layer), plus the kept
     answers' caches when their size is given."""
@@ -83,6 +83,6 @@ def kv_bytes(config: dict, serve: ServeSettings) -> float:
     dim = text.get("head_dim") or (
         text.get("hidden_size", 0) // (text.get("num_attention_heads") or 1)
     )
-    tokens = serve.max_prompt_tokens or text.get("max_position_embeddings") or 0
-    kept = (serve.serve_cache_gb or 0) * 1e9
+    tokens = spec.serve.max_prompt_tokens or text.get("max_position_embeddings") or 0
+    kept = (spec.prompt_cache_gb or 0) * 1e9
     return 2 * layers * heads * dim * 2 * tokens + kept

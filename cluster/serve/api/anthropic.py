@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cluster.core.params import ANTHROPIC, api_fields
 from cluster.core.protocol import Piece, ToolCall
 from cluster.core.spec import Constraint, Sampling, ServeRequest, Template
 from cluster.serve.api import constrain
@@ -45,7 +46,7 @@ from cluster.serve.api.shared import (
     stop_strings,
 )
 
-SAMPLING_FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k"}
+API_SAMPLING = api_fields(Sampling, ANTHROPIC)  # request field -> our setting (core.spec)
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -278,7 +279,7 @@ class Messages:
             kind="chat",
             sampling=sampling(
                 body,
-                SAMPLING_FIELDS,
+                API_SAMPLING,
                 door,
                 most,
                 stop_strings(body.get("stop_sequences"), "stop_sequences"),

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from cluster.core.params import OPENAI, api_fields
 from cluster.core.protocol import Piece, ToolCall
-from cluster.core.spec import Constraint, ServeRequest, Template
+from cluster.core.spec import Constraint, Sampling, ServeRequest, Template
 from cluster.serve.api import constrain
 from cluster.serve.api.shared import (
     KEEPALIVE,
@@ -39,16 +40,7 @@ from cluster.serve.api.shared import (
     stop_strings,
 )
 
-SAMPLING_FIELDS = {  # OpenAI field -> our setting (its range: cluster.serve.api.shared.RANGES)
-    "temperature": "temp",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty",
-}
+API_SAMPLING = api_fields(Sampling, OPENAI)  # request field -> our setting (core.spec)
 MAX_TOP_LOGPROBS = 20
 
 
@@ -215,7 +207,7 @@ class ChatCompletions:
         ])  # fmt: skip
         chosen = sampling(
             body,
-            SAMPLING_FIELDS,
+            API_SAMPLING,
             door,
             max_tokens(body, door, "max_completion_tokens", "max_tokens"),
             stop_strings(body.get("stop"), "stop"),
@@ -356,7 +348,7 @@ class Completions:
         top = top_logprobs(body, "logprobs")
         chosen = sampling(
             body,
-            SAMPLING_FIELDS,
+            API_SAMPLING,
             door,
             max_tokens(body, door, "max_tokens"),
             stop_strings(body.get("stop"), "stop"),

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from cluster.core.params import RESPONSES, api_fields
 from cluster.core.protocol import Piece, ToolCall
-from cluster.core.spec import ServeRequest, Template
+from cluster.core.spec import Sampling, ServeRequest, Template
 from cluster.serve.api import constrain
 from cluster.serve.api.openai import cache_key, text_of, tool_choice, top_logprobs
 from cluster.serve.api.shared import (
@@ -40,7 +41,7 @@ from cluster.serve.api.shared import (
     sampling,
 )
 
-SAMPLING_FIELDS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+API_SAMPLING = api_fields(Sampling, RESPONSES)  # request field -> our setting (core.spec)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 ECHOED = ("instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
           "max_output_tokens", "reasoning", "text", "metadata")  # fmt: skip
@@ -177,7 +178,7 @@ class Responses:
         top = top_logprobs(body, "top_logprobs")
         wanted = LOGPROBS_INCLUDE in include if isinstance(include, list) else False
         chosen = sampling(
-            body, SAMPLING_FIELDS, door, max_tokens(body, door, "max_output_tokens"), []
+            body, API_SAMPLING, door, max_tokens(body, door, "max_output_tokens"), []
         )
         return ServeRequest(
             id="",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import queue
 import re
 import secrets
@@ -26,8 +25,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from cluster.core.params import Range, ranges
 from cluster.core.protocol import Piece, ToolCall
-from cluster.core.spec import Sampling, ServeRequest
+from cluster.core.spec import Sampling, ServeRequest, normalized
 
 DEFAULT_MAX_TOKENS = 512
 MAX_TOKENS_CAP = 32768  # serve's --max-tokens-cap default
@@ -157,43 +157,7 @@ class Door:
     shown: str = ""
 
 
-@dataclass(frozen=True)
-class Range:
-    """The values a sampling setting takes; ``meaning`` says what special values do."""
-
-    low: float
-    high: float
-    integer: bool = False
-    low_open: bool = False  # low itself is not allowed
-    meaning: str = ""
-
-    def describe(self) -> str:
-        kind = "an integer" if self.integer else "a number"
-        low = f"{self.low:g} (exclusive)" if self.low_open else f"{self.low:g}"
-        high = f"{self.high:d}" if isinstance(self.high, int) else f"{self.high:g}"
-        extra = f" ({self.meaning})" if self.meaning else ""
-        return f"{kind} from {low} to {high}{extra}"
-
-    def admits(self, value: Any) -> bool:
-        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
-            return False
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-        return (self.low < value if self.low_open else self.low <= value) and value <= self.high
-
-
-RANGES: dict[str, Range] = {  # our Sampling field -> the values a request may give it
-    "temp": Range(0, 100, meaning="0 is greedy"),
-    "top_p": Range(0, 1, meaning="0 or 1: off"),
-    "top_k": Range(
-        -1, 2**31 - 1, integer=True, meaning="-1 or 0: off; the vocabulary size or more: off"
-    ),  # fmt: skip
-    "min_p": Range(0, 1, meaning="0: off"),
-    "presence_penalty": Range(-2, 2),
-    "frequency_penalty": Range(-2, 2),
-    "repetition_penalty": Range(0, 10, low_open=True, meaning="1: off"),
-    "seed": Range(-1, 2**63 - 1, integer=True, meaning="-1: a random seed"),
-}
+RANGES = ranges(Sampling)  # our Sampling field -> the values a request may give it
 LOGIT_BIAS = Range(-100, 100)
 
 
@@ -393,15 +357,13 @@ def sampling(body: dict, fields: dict[str, str], door: Door, max_tokens: int | N
             shown = json.dumps(value)[:40] if not isinstance(value, str) else repr(value[:40])
             raise RequestError(400, f"'{name}' must be {allowed.describe()}; got {shown}")
         chosen[ours] = value
-    if chosen.get("seed") == -1:
-        del chosen["seed"]
-    if chosen.get("top_k") == -1:
-        chosen["top_k"] = 0
-    return Sampling(
-        max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, door.max_tokens_cap),
-        stop=stop,
-        logit_bias=bias,
-        **chosen,
+    return normalized(
+        Sampling(
+            max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, door.max_tokens_cap),
+            stop=stop,
+            logit_bias=bias,
+            **chosen,
+        )
     )
 
 
