@@ -30,7 +30,7 @@ from cluster.core.protocol import (
     Stats,
     encode_event,
 )
-from cluster.core.spec import JobSpec, Request
+from cluster.core.spec import JobSpec, Request, SharedRequest
 
 EXIT_FAILED = 1
 EXIT_PEER_FAILED = 3
@@ -68,7 +68,7 @@ def run(spec: JobSpec) -> None:
     from .generate import generate, use_step_args
     from .load import load_shard
     from .memory import apply_memory_limits
-    from .share import share_from_rank0
+    from .share import share_typed
     from .vlm import generate_vlm
     from .watchdog import wait_for_start
 
@@ -139,17 +139,17 @@ def run(spec: JobSpec) -> None:
         run_chat(loaded, group, spec, emit, write_text if rank == 0 else None, disk)
     else:
         make = (lambda: make_job_request(loaded, spec.request, command)) if rank == 0 else None
-        request = share_from_rank0(make, group, "prepare the request")
+        request = share_typed(SharedRequest, make, group, "prepare the request")
         write = write_text if rank == 0 else None
         if command == "logits":  # the prompt's logits, then the text, in one JSON line
-            emit(Phase("generating", prompt_tokens=len(request["tokens"])))
+            emit(Phase("generating", prompt_tokens=len(request.tokens)))
             pieces: list[str] = []
             first: list = []
             generate(loaded.model, loaded.tokenizer, request, pieces.append if write else None,
                      group, first_logits=first,
                      on_prefill=report_prefill if rank == 0 else None)  # fmt: skip
             if write:
-                n = len(request["tokens"])
+                n = len(request.tokens)
                 logits = first[0].tolist()
                 write(json.dumps({"prompt_tokens": n, "logits": logits, "text": "".join(pieces)}))
                 write("\n")
@@ -157,7 +157,7 @@ def run(spec: JobSpec) -> None:
             emit(Phase("generating"))
             stats = generate_vlm(loaded.model, loaded.processor, request, write, group)
         else:
-            tokens = request["tokens"]
+            tokens = request.tokens
             emit(Phase("generating", prompt_tokens=len(tokens)))
             cache, from_disk = (None, 0) if disk is None else disk.lookup(loaded.model, tokens)
             answer = generate(
@@ -193,11 +193,11 @@ def emit_memory() -> None:
     emit(Memory(mx.get_peak_memory() / 1e9))
 
 
-def make_job_request(loaded, r: Request, command: str) -> dict:
+def make_job_request(loaded, r: Request, command: str) -> SharedRequest:
     """Rank 0's request for this model: tokens for a text model; for a VLM, the templated
     prompt and the image bytes (every rank runs the processor on them)."""
     from .generate import make_request
-    from .sampling import settings
+    from .sampling import seeded
     from .vlm import make_vlm_request
 
     check_request(loaded.config, command, r.image is not None, repr(loaded.config["model_type"]))
@@ -206,7 +206,7 @@ def make_job_request(loaded, r: Request, command: str) -> dict:
     if r.constraint is not None:
         raise ValueError("--json-schema and --regex need a text model (this one sees images)")
     config = loaded.model.config
-    return make_vlm_request(loaded.processor, config, r.prompt, r.image, settings(r.sampling))
+    return make_vlm_request(loaded.processor, config, r.prompt, r.image, seeded(r.sampling))
 
 
 def reexec_with_blas(spec: JobSpec, argv: list[str]) -> None:

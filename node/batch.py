@@ -45,6 +45,8 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from cluster.core.spec import Order
+
 from .diskcache import BLOCK_TOKENS, worth_reading
 from .dist import control_stream
 from .generate import PREFILL_STEP, STOP_CHECK_EVERY, Ticking, prefill_step
@@ -157,38 +159,37 @@ class Lockstep:
         budget = max(self.pace.most, PREFILL_STEP) * self.stages  # about one full step's time
         return max(1, budget // self.generator.prefill_step_size)
 
-    def apply(self, order: dict) -> list[tuple[int | None, int, str | None]]:
-        """Insert ``order['insert']`` (requests as node.sampling.settings makes them, with
-        ``tokens``) and drop ``order['remove']``; returns (uid, prompt tokens taken from the
-        cache, None) for each new request, in order, or (None, 0, why) for one whose
-        settings failed (on every rank alike)."""
-        if "prefill_step" in order:
-            self.generator.prefill_step_size = order["prefill_step"]
+    def apply(self, order: Order) -> list[tuple[int | None, int, str | None]]:
+        """Insert ``order.insert`` and drop ``order.remove``; returns (uid, prompt tokens
+        taken from the cache, None) for each new request, in order, or (None, 0, why) for one
+        whose settings failed (on every rank alike)."""
+        if order.prefill_step is not None:
+            self.generator.prefill_step_size = order.prefill_step
         self.from_disk = {}
         joined = []
-        for r in order.get("insert", ()):
+        for r in order.insert:
             try:
                 chosen, chain = tried(r, self.vocab)
             except RequestFailed as e:
                 joined.append((None, 0, str(e)))
                 continue
-            scope = cache_scope(r.get("cache_key"))
-            cache, rest, from_disk = self.nearest(r["tokens"], scope)
+            scope = cache_scope(r.cache_key)
+            cache, rest, from_disk = self.nearest(r.tokens, scope)
             (uid,) = self.generator.insert(
                 [rest],
-                max_tokens=[r["max_tokens"]],
+                max_tokens=[r.sampling.max_tokens],
                 caches=[cache],
-                all_tokens=[r["tokens"][: len(r["tokens"]) - len(rest)]],
+                all_tokens=[r.tokens[: len(r.tokens) - len(rest)]],
                 samplers=[chosen],
                 logits_processors=[chain],
             )
-            joined.append((uid, len(r["tokens"]) - len(rest), None))
+            joined.append((uid, len(r.tokens) - len(rest), None))
             self.scopes[uid] = scope
             if from_disk:
                 self.from_disk[uid] = from_disk
             self.prefilling[uid] = (0, len(rest))
         self.live.update(uid for uid, _, _ in joined if uid is not None)
-        gone = [u for u in order.get("remove", ()) if u in self.live]
+        gone = [u for u in order.remove if u in self.live]
         if gone:
             self.generator.remove(gone)
             self.live.difference_update(gone)

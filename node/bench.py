@@ -19,10 +19,10 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from cluster.core.protocol import BenchComm, BenchRun, FirstToken, Phase
-from cluster.core.spec import BenchSettings, Sampling
+from cluster.core.spec import BenchSettings, Sampling, SharedRequest
 
 from .generate import AnswerText, draft_counts, stream, token_stream
-from .sampling import settings
+from .sampling import seeded
 
 COLLECTIVES = ("all_sum", "all_gather", "all_max", "all_min", "send", "recv", "recv_like")
 ALLSUM_WARMUP = 5
@@ -121,7 +121,7 @@ def run_bench(loaded, group, b: BenchSettings, emit) -> None:
     text_config = config.get("text_config", config)
     vocab = config.get("vocab_size") or text_config["vocab_size"]
     prompt = synthetic_prompt(vocab, b.prompt_tokens)
-    request = {"tokens": prompt, **settings(Sampling(max_tokens=b.gen_tokens, seed=0))}
+    request = SharedRequest(seeded(Sampling(max_tokens=b.gen_tokens, seed=0)), prompt)
     runs = b.warmup + b.repeat
     for i in range(runs):
         emit(Phase("generating", prompt_tokens=len(prompt)))

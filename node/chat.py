@@ -27,7 +27,7 @@ from cluster.core.protocol import (
     Prefill,
     Stats,
 )
-from cluster.core.spec import JobSpec, Template
+from cluster.core.spec import JobSpec, SharedRequest, Template
 
 from .diskcache import BLOCK_TOKENS
 from .stage import SkippedCache
@@ -211,9 +211,8 @@ def next_turn(inp: Input, conversation: Conversation, log: Callable[[str], None]
 def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str], None] | None,
              disk=None):  # fmt: skip
     """The session loop of every rank; rank 0 (``write`` given) reads, the others follow."""
-    from .generate import generate, grammar_of
-    from .sampling import settings
-    from .share import share_from_rank0
+    from .generate import generate, shared_request
+    from .share import share_typed
     from .watchdog import launcher_input, progress
 
     rank0 = group.rank() == 0
@@ -237,26 +236,25 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
         def notice(message: str) -> None:
             emit(Notice(message))
 
-        def next_request() -> dict | None:
+        def next_request() -> SharedRequest | None:
             nonlocal user
             emit(AwaitingInput())
             with progress.waiting():  # the user thinking is not a stalled collective
                 user = next_turn(inp, conversation, notice)
             if user is None:
                 return None
-            tokens = conversation.tokens_for(user)
-            extra = grammar_of(loaded.tokenizer, spec.request, tokens)
-            return {"tokens": tokens, **settings(spec.request.sampling), **extra}
+            return shared_request(loaded.tokenizer, spec.request, conversation.tokens_for(user))
 
     while True:
         user = None
-        request = share_from_rank0(next_request if rank0 else None, group, "prepare the turn")
+        request = share_typed(SharedRequest, next_request if rank0 else None, group,
+                              "prepare the turn")  # fmt: skip
         if request is None:
             if disk is not None:
                 disk.flush()  # the session ends: its blocks are on disk before it does
             return
-        prompt_cache, feed = cache.prepare(request["tokens"])
-        emit(Phase("generating", prompt_tokens=len(request["tokens"])))
+        prompt_cache, feed = cache.prepare(request.tokens)
+        emit(Phase("generating", prompt_tokens=len(request.tokens)))
         answer = generate(
             loaded.model,
             loaded.tokenizer,
@@ -271,8 +269,8 @@ def run_chat(loaded, group, spec: JobSpec, emit: Callable, write: Callable[[str]
             on_prefill=(lambda done, total: emit(Prefill(done, total))) if rank0 else None,
             from_disk=cache.from_disk,
         )
-        cache.save(request["tokens"], answer.tokens)
-        cache.done(request["tokens"], answer.tokens)
+        cache.save(request.tokens, answer.tokens)
+        cache.done(request.tokens, answer.tokens)
         if rank0:
             write("\n")
             conversation.add(user, answer.text)

@@ -15,11 +15,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream, stream_generate
 
-from cluster.core.spec import Request, Template
+from cluster.core.spec import Request, SharedRequest, Template
 
 from .dist import control_stream
 from .reasoning import THINK_OPEN, Rewrite, held_back, normalizer, opens_in_thought
-from .sampling import processors, sampler, sampling_of, settings
+from .sampling import processors, sampler, seeded
 from .watchdog import progress
 
 STOP_CHECK_EVERY = 4  # tokens between the ranks' checks of rank 0's stop decision
@@ -66,22 +66,23 @@ def fold_system(messages: list[dict]) -> list[dict]:
     return [{"role": "system", "content": text}, *(m for m in messages if m["role"] != "system")]
 
 
-def make_request(tokenizer, r: Request) -> dict:
-    """Rank 0's work order, in the form share_object carries to the other ranks."""
+def make_request(tokenizer, r: Request) -> SharedRequest:
+    """Rank 0's work order, as every rank gets it."""
     tokens = render(tokenizer, [{"role": "user", "content": r.prompt}], r.template)
     if not tokens:
         raise ValueError("the prompt is empty after tokenization")
-    return {"tokens": tokens, **settings(r.sampling), **grammar_of(tokenizer, r, tokens)}
+    return shared_request(tokenizer, r, tokens)
 
 
-def grammar_of(tokenizer, r: Request, tokens: list[int]) -> dict:
-    """``{"grammar": ...}`` for a job that constrains its answers (--json-schema, --regex),
-    else nothing."""
-    if r.constraint is None:
-        return {}
-    from .grammar import shared_grammar
+def shared_request(tokenizer, r: Request, tokens: list[int]) -> SharedRequest:
+    """``tokens`` with the job's settings (launch's request, chat's every turn): the seed
+    drawn, the grammar of --json-schema or --regex."""
+    grammar = None
+    if r.constraint is not None:
+        from .grammar import shared_grammar
 
-    return {"grammar": shared_grammar(tokenizer, r.constraint, r.template.tools, tokens)}
+        grammar = shared_grammar(tokenizer, r.constraint, r.template.tools, tokens)
+    return SharedRequest(seeded(r.sampling), tokens, grammar)
 
 
 @dataclass
@@ -95,7 +96,7 @@ class Generated:
 def generate(
     model,
     tokenizer,
-    request: dict,
+    request: SharedRequest,
     write: Callable[[str], None] | None,
     group=None,
     prompt_cache: list | None = None,
@@ -119,7 +120,7 @@ def generate(
     proposer drafts and the model verifies K+1 tokens per pass. ``first_logits`` (a list) gets
     the next-token logits after the prompt, as the first step sees them (``launch --logits``:
     the prompt is prefilled once for both the logits and the text)."""
-    if request.get("grammar"):  # drafts are not checked against a grammar: decoded alone
+    if request.grammar is not None:  # drafts are not checked against a grammar: decoded alone
         speculation = None
     watch = prefill_watch(group, cancelled, cancellable, on_prefill)
     try:
@@ -139,11 +140,11 @@ def generate(
         mx.synchronize(generation_stream)
         stats = answer_stats(e.total, 0.0, 0, 0.0, 0, "cancelled", None)
         return Generated("", [], stats)
-    cached = len(request["tokens"]) - len(feed) if feed is not None else 0
+    cached = len(request.tokens) - len(feed) if feed is not None else 0
     answer.stats["timings"].update(cache_n=cached, cache_disk_n=from_disk)
     answer.stats["usage"]["prompt_tokens_details"]["cached_tokens"] = cached
     if speculation is not None:
-        k, most = speculation.k, sampling_of(request).max_tokens
+        k, most = speculation.k, request.sampling.max_tokens
         drafted, accepted = draft_counts(answer.from_draft, k, most)
         answer.stats["timings"].update(draft_n=drafted, draft_n_accepted=accepted)
     return answer
@@ -232,7 +233,7 @@ def prefill_watch(
 def token_stream(
     model,
     tokenizer,
-    request: dict,
+    request: SharedRequest,
     prompt_cache=None,
     feed=None,
     speculation=None,
@@ -243,9 +244,9 @@ def token_stream(
     ``speculation``, mlx-lm's speculative step (the prompt cache then holds the model's
     layers, then the proposer's). ``on_progress``: mlx-lm's prompt_progress_callback;
     ``first_logits``: see ``generate``."""
-    s = sampling_of(request)
+    s = request.sampling
     mx.random.seed(s.seed)
-    feed = request["tokens"] if feed is None else feed
+    feed = request.tokens if feed is None else feed
     extra = dict(STEP_ARGS)
     extra.setdefault("prefill_step_size", prefill_step(len(feed), STAGES[0]))
     if speculation is not None:  # mlx-lm's speculative step takes --kv-bits too
@@ -361,11 +362,11 @@ class AnswerText:
         return "".join(self.parts)
 
 
-def answer_text(tokenizer, request: dict) -> AnswerText:
+def answer_text(tokenizer, request: SharedRequest) -> AnswerText:
     """The text view of a text model's answer to ``request``: its stop strings, the
     tokenizer's think markers, and the ``<think>`` its template opened, if it did."""
-    opening = THINK_OPEN if opens_in_thought(tokenizer, request["tokens"]) else ""
-    return AnswerText(sampling_of(request).stop, normalizer(tokenizer), opening)
+    opening = THINK_OPEN if opens_in_thought(tokenizer, request.tokens) else ""
+    return AnswerText(request.sampling.stop, normalizer(tokenizer), opening)
 
 
 def stream(

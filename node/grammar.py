@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from cluster.core.grammar import JSON_OPTIONS, LIMITS  # one set for the launcher and ranks
+from cluster.core.spec import Grammar
 
 
 class GrammarError(ValueError):
@@ -248,12 +249,12 @@ def marker(tokenizer, text: str) -> str:
     return json.dumps(text)
 
 
-def shared_grammar(tokenizer, constraint, tools: list | None, prompt: list[int]) -> dict:
+def shared_grammar(tokenizer, constraint, tools: list | None, prompt: list[int]) -> Grammar:
     """Rank 0: what every rank needs to constrain the answer (the grammar's text, and the
     tokens it waits for), checked against this model; GrammarError otherwise."""
     text = constraint.grammar or tool_grammar(tokenizer, tools or [], constraint.tools or "")
     check(text)
-    return {"text": text, "after": think_end(tokenizer, prompt)}
+    return Grammar(text, think_end(tokenizer, prompt))
 
 
 def think_end(tokenizer, prompt: list[int]) -> list[int] | None:

@@ -15,27 +15,20 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from collections.abc import Callable
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from cluster.core.spec import Sampling, to_dict
+from cluster.core.spec import Sampling, SharedRequest
 
 PENALTY_CONTEXT = 20  # generated tokens a penalty looks back over, as mlx-lm's default
-API_SAMPLING = tuple(f.name for f in dataclasses.fields(Sampling))
 
 
-def settings(s: Sampling) -> dict[str, Any]:
-    """The settings as a shared request carries them (rank 0 only): empty stop strings
-    dropped, a missing seed drawn here."""
+def seeded(s: Sampling) -> Sampling:
+    """The settings as every rank gets them (rank 0 only): empty stop strings dropped, a
+    missing seed drawn here."""
     seed = secrets.randbits(31) if s.seed is None else s.seed
-    return to_dict(dataclasses.replace(s, stop=[x for x in s.stop or [] if x], seed=seed))
-
-
-def sampling_of(request: dict[str, Any]) -> Sampling:
-    """The Sampling of a shared request (``settings`` made it on rank 0)."""
-    return Sampling(**{name: request[name] for name in API_SAMPLING})
+    return dataclasses.replace(s, stop=[x for x in s.stop or [] if x], seed=seed)
 
 
 class RequestFailed(ValueError):
@@ -43,16 +36,16 @@ class RequestFailed(ValueError):
     alike everywhere, so the request fails alone and the ranks go on."""
 
 
-def tried(request: dict[str, Any], vocab: int) -> tuple[Callable, list]:
+def tried(request: SharedRequest, vocab: int) -> tuple[Callable, list]:
     """The request's sampler and processors, run once on a row of zero logits, so that a
     setting that would raise in the middle of a batch's step raises here, before the request
     joins (RequestFailed). Every rank does the same, in the same order: the random state
     they draw from stays alike."""
     try:
         chosen = sampler(request)
-        chain = processors(request, len(request["tokens"]))
+        chain = processors(request, len(request.tokens))
         logits = mx.zeros((1, vocab))
-        history = mx.array(request["tokens"][-1:])
+        history = mx.array(request.tokens[-1:])
         for process in chain:
             logits = process(history, logits)
         mx.eval(chosen(logits))
@@ -63,13 +56,13 @@ def tried(request: dict[str, Any], vocab: int) -> tuple[Callable, list]:
         # mlx-lm's samplers are compiled with the random state as input and output: one that
         # raises leaves the state without a value, and every later draw would fail. Every
         # rank fails here alike, so every rank seeds again alike (the request's shared seed).
-        mx.random.seed(int(request.get("seed") or 0))
+        mx.random.seed(int(request.sampling.seed or 0))
         raise RequestFailed(f"{type(e).__name__}: {e}") from None
     return chosen, chain
 
 
-def sampler(request: dict[str, Any]) -> Callable[[mx.array], mx.array]:
-    s = sampling_of(request)
+def sampler(request: SharedRequest) -> Callable[[mx.array], mx.array]:
+    s = request.sampling
     return make_sampler(
         temp=s.temp,
         top_p=s.top_p,
@@ -140,10 +133,10 @@ def logit_bias(bias: dict[str, float]):
     return apply
 
 
-def processors(request: dict[str, Any], prompt_len: int) -> list:
+def processors(request: SharedRequest, prompt_len: int) -> list:
     """The request's logits processors, in order: bias, penalties, and last the grammar's
     mask (node.grammar), so that what it forbids stays forbidden."""
-    s = sampling_of(request)
+    s = request.sampling
     chosen = [logit_bias(s.logit_bias)] if s.logit_bias else []
     if s.repetition_penalty not in (None, 1.0):
         chosen.append(repetition_penalty(s.repetition_penalty, prompt_len))
@@ -151,8 +144,8 @@ def processors(request: dict[str, Any], prompt_len: int) -> list:
         chosen.append(presence_penalty(s.presence_penalty, prompt_len))
     if s.frequency_penalty not in (None, 0.0):
         chosen.append(frequency_penalty(s.frequency_penalty, prompt_len))
-    if grammar := request.get("grammar"):
+    if request.grammar is not None:
         from .grammar import Constrained
 
-        chosen.append(Constrained(grammar["text"], grammar.get("after")))
+        chosen.append(Constrained(request.grammar.text, request.grammar.after))
     return chosen

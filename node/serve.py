@@ -33,11 +33,21 @@ from typing import IO, Any
 
 from cluster.core.modelcheck import model_id
 from cluster.core.protocol import END_OF_INPUT, Counted, Memory, Prefill, Refused, Serving, Stats
-from cluster.core.spec import JobSpec, ServeRequest, from_dict
+from cluster.core.spec import (
+    Grammar,
+    JobSpec,
+    Order,
+    Sampling,
+    ServeRequest,
+    ServeSetup,
+    SharedRequest,
+    from_dict,
+    to_dict,
+)
 
 from .generate import AnswerText, answer_stats, answer_text
 from .parts import Parts, token_logprobs
-from .sampling import RequestFailed, settings, tried
+from .sampling import RequestFailed, seeded, tried
 from .watchdog import progress
 
 PING_S = 2.0  # an idle rank 0 shows every rank it is still there this often
@@ -52,7 +62,7 @@ class Ticket:
     request: ServeRequest
     cancel: threading.Event = field(default_factory=threading.Event)
     parts: Parts | None = None  # its text as the API returns it (set once it is prepared)
-    shared: dict | None = None  # what every rank gets: tokens and settings (once prepared)
+    shared: SharedRequest | None = None  # what every rank gets (once prepared)
     size: int = 0  # bytes of ``shared`` as share_object sends it
 
 
@@ -159,7 +169,7 @@ class Refusal(ValueError):
     """A request rank 0 refuses once it has its tokens (the field and the limit named)."""
 
 
-def constrained(tokenizer, r: ServeRequest, tokens: list[int]) -> dict:
+def constrained(tokenizer, r: ServeRequest, tokens: list[int]) -> Grammar:
     """The grammar every rank decodes ``r`` under (node.grammar), checked against this
     model's tokens here, off the decode loop; Refusal naming the field otherwise."""
     from .grammar import GrammarError, shared_grammar
@@ -170,18 +180,18 @@ def constrained(tokenizer, r: ServeRequest, tokens: list[int]) -> dict:
         raise Refusal(f"'{r.constraint.source}': {e}") from None
 
 
-def needed(shared: dict) -> int:
+def needed(shared: SharedRequest) -> int:
     """Tokens of KV cache a request may come to hold: its prompt and its answer."""
-    return len(shared["tokens"]) + int(shared["max_tokens"])
+    return len(shared.tokens) + shared.sampling.max_tokens
 
 
-def shared_size(shared: dict) -> int:
+def shared_size(shared: SharedRequest) -> int:
     """Bytes of a request as share_object sends it; one that cannot be encoded, or could not
     travel in an order, is refused here, alone, instead of failing an order on every rank."""
     from .share import encode
 
     try:
-        size = len(encode(shared))
+        size = len(encode(to_dict(shared, raw_bytes=True)))
     except (ValueError, TypeError, RecursionError) as e:
         raise Refusal(f"the request cannot be passed to the other ranks ({e})") from None
     if size > ORDER_BYTES:
@@ -211,8 +221,8 @@ class Admission:
             settings.max_prompt_tokens,
         )
 
-    def request(self, tokens: list[int], sampling) -> dict:
-        """The shared request (node.sampling.settings), or Refusal."""
+    def request(self, tokens: list[int], sampling: Sampling) -> SharedRequest:
+        """What every rank gets of the request (its seed drawn), or Refusal."""
         n = len(tokens)
         most = self.max_prompt_tokens or self.context
         if most and n > most:
@@ -246,7 +256,7 @@ class Admission:
                               f"vocabulary (0 to {self.vocab - 1})")  # fmt: skip
         if changes:
             sampling = dataclasses.replace(sampling, **changes)
-        return {"tokens": tokens, **settings(sampling)}
+        return SharedRequest(seeded(sampling), tokens)
 
 
 @dataclass
@@ -319,9 +329,8 @@ class Scheduler:
         try:
             ticket.shared = self.admission.request(tokens, r.sampling)
             if r.constraint is not None:
-                ticket.shared["grammar"] = constrained(self.tokenizer, r, tokens)
-            if r.cache_key is not None:
-                ticket.shared["cache_key"] = r.cache_key
+                ticket.shared.grammar = constrained(self.tokenizer, r, tokens)
+            ticket.shared.cache_key = r.cache_key
             ticket.size = shared_size(ticket.shared)
         except Refusal as e:
             self.emit(Refused(r.id, 400, str(e)))
@@ -337,17 +346,17 @@ class Scheduler:
             return self.inbox.ended(ticket)
         self.waiting.append((ticket, ticket.shared))
 
-    def order(self, live: int) -> dict | None:
-        """The next order for every rank: {} is a ping (nothing to do, all still here), None
-        means go on as before. Blocks while there is nothing to do."""
+    def order(self, live: int) -> Order | None:
+        """The next order for every rank: an empty one is a ping (nothing to do, all still
+        here), None means go on as before. Blocks while there is nothing to do."""
         inbox = self.inbox
         if not live and not self.waiting:
             if inbox.prepared_all.is_set() and inbox.tickets.empty():
-                return {"quit": True}
+                return Order(quit=True)
             try:
                 self.take(inbox.tickets.get(timeout=PING_S))
             except queue.Empty:
-                return {}
+                return Order()
         while True:
             try:
                 self.take(inbox.tickets.get_nowait())
@@ -357,10 +366,10 @@ class Scheduler:
         for uid, one in list(self.lives.items()):  # a client gone while its prompt prefills
             if one.first is None and one.ticket.cancel.is_set():
                 self.finish(uid, one, "cancelled")
-        order: dict[str, Any] = {}
-        if self.removals:
-            order["remove"], self.removals = self.removals, []
-        insert, size, tokens = [], 0, 0
+        order = Order(remove=self.removals)
+        self.removals = []
+        insert: list[SharedRequest] = []
+        size = tokens = 0
         room = self.admission.kv_room
         while self.waiting:
             ticket, request = self.waiting[0]
@@ -369,11 +378,11 @@ class Scheduler:
                 self.inbox.ended(ticket)
                 continue
             if not self.batched or ticket.request.seeded:
-                if live or insert or order:
+                if live or insert or order.remove:
                     break  # alone: once the batch is empty
                 self.waiting.popleft()
                 self.inserting = [(ticket, request)]
-                return {"single": request}
+                return Order(single=request)
             if insert and size + ticket.size > ORDER_BYTES:
                 break  # the rest join at the next round: one order stays far under the limit
             need = needed(request)
@@ -383,9 +392,8 @@ class Scheduler:
             tokens += need
             insert.append(request)
             self.inserting.append(self.waiting.popleft())
-        if insert:
-            order["insert"] = insert
-        return order or None
+        order.insert = insert
+        return order if insert or order.remove else None
 
     def cut_drain(self) -> None:
         """Draining past its deadline: what is still being decoded is cancelled."""
@@ -415,7 +423,7 @@ class Scheduler:
             if text.opening:
                 self.piece(ticket, text.start())
             self.lives[uid] = Live(ticket, self.tokenizer.detokenizer, text,
-                                   len(request["tokens"]), now, cached,
+                                   len(request.tokens), now, cached,
                                    (from_disk or {}).get(uid, 0), need=needed(request))  # fmt: skip
             self.reserved += self.lives[uid].need
         self.inserting = []
@@ -519,29 +527,22 @@ def run_serve(loaded, group, spec: JobSpec, emit, log, disk=None) -> None:
     from .batch import Lockstep, batchable
     from .generate import PREFILL_STEP, generate
     from .memory import memory_left
-    from .share import share_from_rank0, share_object
+    from .share import share_order, share_typed
     from .watchdog import launcher_input
 
     rank0 = group.rank() == 0
     options = spec.serve  # rank 0's; the others get what they need in ``setup``
 
-    def setup() -> dict:
-        """What every rank must agree on: the random state, batch limits and prompt cache
-        (generators with other limits would schedule differently)."""
-        return {
-            "seed": secrets.randbits(31),
-            "decode_concurrency": options.decode_concurrency,
-            "prompt_concurrency": options.prompt_concurrency,
-            "prefill_step": spec.prefill_step or PREFILL_STEP,
-            "prompt_cache_size": options.prompt_cache_size,
-            "cache_gb": spec.prompt_cache_gb,
-        }
+    def setup() -> ServeSetup:
+        return ServeSetup(secrets.randbits(31), options.decode_concurrency,
+                          options.prompt_concurrency, spec.prefill_step or PREFILL_STEP,
+                          options.prompt_cache_size, spec.prompt_cache_gb)  # fmt: skip
 
-    agreed = share_from_rank0(setup if rank0 else None, group, "start serving")
-    mx.random.seed(agreed["seed"])
+    agreed = share_typed(ServeSetup, setup if rank0 else None, group, "start serving")
+    mx.random.seed(agreed.seed)
     batched = batchable(loaded.model)
     vocab = Admission.of(loaded.config, options).vocab or loaded.tokenizer.vocab_size
-    cache_bytes, live_bytes = cache_budget(agreed["cache_gb"], memory_left(spec.ranks_on_host))
+    cache_bytes, live_bytes = cache_budget(agreed.cache_gb, memory_left(spec.ranks_on_host))
     room = kv_room(loaded, spec, live_bytes, group)
     if batched:
         log(f"serve: kept answers' caches take at most {cache_bytes / 1e9:.1f} GB on this rank")
@@ -551,13 +552,13 @@ def run_serve(loaded, group, spec: JobSpec, emit, log, disk=None) -> None:
         Lockstep(
             loaded.model,
             loaded.tokenizer,
-            agreed["decode_concurrency"],
-            agreed["prompt_concurrency"],
-            agreed["prompt_cache_size"],
+            agreed.decode_concurrency,
+            agreed.prompt_concurrency,
+            agreed.prompt_cache_size,
             cache_bytes,
             group,
             vocab,
-            agreed["prefill_step"],
+            agreed.prefill_step,
             options.max_stall,  # rank 0's pace decides; the others follow its orders
             spec.world_size if spec.mode == "pipeline" else 1,
             disk,
@@ -582,18 +583,19 @@ def run_serve(loaded, group, spec: JobSpec, emit, log, disk=None) -> None:
             emit(Memory(mx.get_peak_memory() / 1e9, *io))
         order = scheduler.order(live) if rank0 else None
         if rank0 and batch is not None:
-            joining = [len(r["tokens"]) for r in (order or {}).get("insert", ())]
+            joining = [len(r.tokens) for r in order.insert] if order is not None else []
             step = batch.next_prefill_step(joining)
             if step is not None:
-                order = {**(order or {}), "prefill_step": step}
-        order = share_object(order, group)
-        if order:
-            if order.get("quit"):
+                order = order or Order()
+                order.prefill_step = step
+        order = share_order(order, group)
+        if order is not None:
+            if order.quit:
                 break
-            if "single" in order:
+            if order.single is not None:
                 ticket = scheduler.inserting[0][0] if rank0 else None
                 try:
-                    tried(order["single"], vocab)
+                    tried(order.single, vocab)
                 except RequestFailed as e:  # on every rank alike
                     if rank0:
                         scheduler.inserting = []
@@ -602,7 +604,7 @@ def run_serve(loaded, group, spec: JobSpec, emit, log, disk=None) -> None:
                 answer = generate(
                     loaded.model,
                     loaded.tokenizer,
-                    order["single"],
+                    order.single,
                     functools.partial(scheduler.piece, ticket) if rank0 else None,
                     group,
                     cancelled=ticket.cancel.is_set if rank0 else None,

@@ -12,12 +12,16 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
 
+from cluster.core.spec import Order, from_dict, to_dict
+
 from .dist import control_stream
+
+T = TypeVar("T")
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 CHUNK_BYTES = 16 * 1024 * 1024
@@ -144,6 +148,20 @@ def share_object(
         if rank != 0:
             out[start : start + n] = memoryview(received)
     return decode(data if rank == 0 else bytes(out))
+
+
+def share_typed(cls: type[T], make: Callable[[], T] | None, group, what: str) -> T | None:
+    """``share_from_rank0`` of a typed message (a cluster.core.spec dataclass: SharedRequest,
+    ServeSetup): rank 0's ``make()`` reaches every rank as a ``cls`` (its bytes raw)."""
+    wire = share_from_rank0((lambda: to_dict(make(), raw_bytes=True)) if make else None, group,
+                            what)  # fmt: skip
+    return None if wire is None else from_dict(cls, wire)
+
+
+def share_order(order: Order | None, group) -> Order | None:
+    """Rank 0's order of the round (None: nothing new, every rank goes on as before)."""
+    wire = share_object(None if order is None else to_dict(order, raw_bytes=True), group)
+    return None if wire is None else from_dict(Order, wire)
 
 
 FAILED_KEY = "$rank0_failed"

@@ -16,6 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from cluster.core.spec import Sampling, SharedRequest
+
 
 def load_vlm(view: Path, model_dir: Path):
     """The lazily loaded mlx-vlm model (from the weight files in ``view``) and its processor."""
@@ -32,15 +34,15 @@ def load_vlm(view: Path, model_dir: Path):
 
 
 def make_vlm_request(
-    processor, config: Any, prompt: str, image: bytes | None, options: dict[str, Any]
-) -> dict:
+    processor, config: Any, prompt: str, image: bytes | None, sampling: Sampling
+) -> SharedRequest:
     """Rank 0's work order: the templated prompt and the raw image bytes."""
     from mlx_vlm.prompt_utils import apply_chat_template
 
     if image is not None:
         _image(image)  # fail here, on rank 0, before the other ranks get it
     text = apply_chat_template(processor, config, prompt, num_images=1 if image else 0)
-    return {"vlm_prompt": text, "image": image, **options}
+    return SharedRequest(sampling, vlm_prompt=text, image=image)
 
 
 def _image(data: bytes):
@@ -58,22 +60,22 @@ def _image(data: bytes):
 
 
 def generate_vlm(
-    model, processor, request: dict, write: Callable[[str], None] | None, group=None
+    model, processor, request: SharedRequest, write: Callable[[str], None] | None, group=None
 ) -> dict[str, Any]:
     """mlx-vlm's stream_generate on every rank, with the same prompt, image and seed."""
     from mlx_vlm.generate import stream_generate
     from mlx_vlm.generate.common import generation_stream
 
     from .generate import AnswerText, stream
-    from .sampling import sampler, sampling_of
+    from .sampling import sampler
 
-    s = sampling_of(request)
+    s = request.sampling
     mx.random.seed(s.seed)
-    images = [_image(request["image"])] if request.get("image") else None
+    images = [_image(request.image)] if request.image else None
     responses = stream_generate(
         model,
         processor,
-        request["vlm_prompt"],
+        request.vlm_prompt,
         image=images,
         max_tokens=s.max_tokens,
         sampler=sampler(request),  # the text models' own, so every sampling option reaches both

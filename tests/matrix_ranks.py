@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from cluster.core.spec import Request, Sampling  # noqa: E402
+from cluster.core.spec import Request, Sampling, SharedRequest  # noqa: E402
 from node.__main__ import make_job_request  # noqa: E402
 from node.dist import barrier, init_group  # noqa: E402
 from node.generate import generate  # noqa: E402
 from node.load import load_shard  # noqa: E402
-from node.share import share_from_rank0  # noqa: E402
+from node.share import share_typed  # noqa: E402
 from node.vlm import generate_vlm  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def run_cell(cell: dict, mode: str, group) -> dict | None:
     )
     command = "launch" if image else "logits"
     make = (lambda: make_job_request(loaded, request, command)) if rank0 else None
-    shared = share_from_rank0(make, group, "prepare the request")
+    shared = share_typed(SharedRequest, make, group, "prepare the request")
     pieces: list[str] = []
     write = pieces.append if rank0 else None
     answer: dict = {"family": cell["family"]}

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.core.spec import Sampling, ServeRequest, to_dict
+from cluster.core.spec import Sampling, ServeRequest, SharedRequest, to_dict
 from cluster.serve.api import anthropic, openai, responses
 from cluster.serve.api.anthropic import CountTokens, Messages
 from cluster.serve.api.openai import ChatCompletions, Completions
@@ -247,7 +247,7 @@ def test_rank0_bounds_the_prompt_and_the_answer_by_the_context():
 
     admit = Admission(vocab=100, context=50, max_prompt_tokens=None)
     shared = admit.request(list(range(40)), Sampling(max_tokens=30, top_k=100))
-    assert shared["max_tokens"] == 10 and shared["top_k"] == 0  # what the context leaves; off
+    assert shared.sampling.max_tokens == 10 and shared.sampling.top_k == 0  # the context; off
     with pytest.raises(Refusal, match="the prompt is 51 tokens, over the model's context"):
         admit.request(list(range(51)), Sampling())
     with pytest.raises(Refusal, match="fills the model's context"):
@@ -257,14 +257,14 @@ def test_rank0_bounds_the_prompt_and_the_answer_by_the_context():
     capped = Admission(vocab=100, context=None, max_prompt_tokens=5)
     with pytest.raises(Refusal, match="over this server's --max-prompt-tokens"):
         capped.request(list(range(6)), Sampling())
-    assert capped.request([1], Sampling(max_tokens=7))["max_tokens"] == 7
+    assert capped.request([1], Sampling(max_tokens=7)).sampling.max_tokens == 7
 
 
 def test_settings_that_would_fail_mid_batch_fail_before_the_request_joins():
     from node.sampling import RequestFailed, tried
 
     def request(**s):
-        return {"tokens": [1, 2, 3], **to_dict(Sampling(seed=1, **s))}
+        return SharedRequest(Sampling(seed=1, **s), [1, 2, 3])
 
     with pytest.raises(RequestFailed, match="top_k"):
         tried(request(temp=0.7, top_k=5000), 2048)  # mlx-lm's apply_top_k raises in a step
@@ -279,7 +279,7 @@ def test_rank0_fits_answers_to_the_memory_every_rank_has():
     from node.serve import Admission, Refusal
 
     admit = Admission(vocab=100, context=10_000, max_prompt_tokens=None, kv_room=50)
-    assert admit.request(list(range(40)), Sampling(max_tokens=30))["max_tokens"] == 10
+    assert admit.request(list(range(40)), Sampling(max_tokens=30)).sampling.max_tokens == 10
     with pytest.raises(Refusal, match="memory holds the KV cache of 50 tokens at most"):
         admit.request(list(range(50)), Sampling())
 
@@ -309,28 +309,28 @@ def test_an_order_waits_for_memory_and_stays_under_its_byte_bound(monkeypatch):
 
     def ticket(prompt: int, answer: int):
         t = ns.Ticket(ServeRequest(id="r", kind="completion", sampling=Sampling()))
-        t.shared = {"tokens": [1] * prompt, "max_tokens": answer}
+        t.shared = SharedRequest(Sampling(max_tokens=answer), [1] * prompt)
         t.size = ns.shared_size(t.shared)
         return t
 
     s = scheduler(room=100)
     for _ in range(3):
         s.take(ticket(40, 20))  # 60 tokens each
-    assert len(s.order(live=0)["insert"]) == 1  # 120 > 100: the second waits
+    assert len(s.order(live=0).insert) == 1  # 120 > 100: the second waits
     s.inserting = []
     s.reserved = 60  # the first is decoding
     assert s.order(live=1) is None  # still no room
     s.reserved = 0  # it ended
-    assert len(s.order(live=0)["insert"]) == 1
+    assert len(s.order(live=0).insert) == 1
     s = scheduler(room=None)
     monkeypatch.setattr(ns, "ORDER_BYTES", 2 * ticket(40, 20).size + 1)
     for _ in range(5):
         s.take(ticket(40, 20))
-    assert [len(s.order(live=0)["insert"]) for _ in range(3)] == [2, 2, 1]
+    assert [len(s.order(live=0).insert) for _ in range(3)] == [2, 2, 1]
     with pytest.raises(ns.Refusal, match="bytes as the ranks get it"):
-        ns.shared_size({"tokens": [1] * 100, "max_tokens": 1})
+        ns.shared_size(SharedRequest(Sampling(max_tokens=1), [1] * 1000))
     with pytest.raises(ns.Refusal, match="cannot be passed to the other ranks"):
-        ns.shared_size({"tokens": [1], "stop": ["\ud800"], "max_tokens": 1})
+        ns.shared_size(SharedRequest(Sampling(max_tokens=1, stop=["\ud800"]), [1]))
 
 
 def test_a_request_rank_0_cannot_prepare_is_answered_not_lost():

@@ -7,6 +7,7 @@ clients: tests/test_structured.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from mlx_lm import load
 
 from cluster.core import grammar
-from cluster.core.spec import Constraint, Sampling, to_dict
+from cluster.core.spec import Constraint, Grammar, Sampling, SharedRequest
 from node import grammar as node_grammar
 from node.generate import generate
 from node.sampling import tried
@@ -48,12 +49,11 @@ def qwen(models, loaded):
     return model, tokenizer
 
 
-def request(tokenizer, schema=None, temp=1.0, seed=0, max_tokens=200, text=None) -> dict:
+def request(tokenizer, schema=None, temp=1.0, seed=0, max_tokens=200, text=None):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about lists"}],
                                            add_generation_prompt=True)  # fmt: skip
-    out = {"tokens": prompt, **to_dict(Sampling(max_tokens=max_tokens, temp=temp, seed=seed))}
-    out["grammar"] = {"text": text or grammar.json_schema(schema), "after": None}
-    return out
+    sampling = Sampling(max_tokens=max_tokens, temp=temp, seed=seed)
+    return SharedRequest(sampling, prompt, Grammar(text or grammar.json_schema(schema)))
 
 
 def answer(model, tokenizer, req) -> tuple[str, str]:
@@ -68,8 +68,8 @@ def test_sampled_answers_follow_the_schema(qwen):
         text, finish = answer(model, tokenizer, request(tokenizer, PERSON, temp=1.0, seed=seed))
         assert finish == "stop", text  # the grammar ended the answer, not the token limit
         jsonschema.validate(json.loads(text), PERSON)
-    unconstrained = generate(model, tokenizer, {**request(tokenizer, PERSON), "grammar": None},
-                             None)  # fmt: skip
+    free = dataclasses.replace(request(tokenizer, PERSON), grammar=None)
+    unconstrained = generate(model, tokenizer, free, None)
     with pytest.raises(ValueError):
         json.loads(tokenizer.decode(unconstrained.tokens[:-1]))  # alone it writes no JSON
 
@@ -100,7 +100,7 @@ def test_a_trial_run_leaves_the_matcher_at_its_start(qwen):
     (constrained,) = chain
     assert constrained.start is None and constrained.fed == 0
     logits = mx.zeros((1, 512))
-    masked = constrained(mx.array(req["tokens"]), logits)
+    masked = constrained(mx.array(req.tokens), logits)
     allowed = [i for i in range(512) if masked[0, i].item() > -1e30]
     assert all(tokenizer.decode([i]).startswith("{") for i in allowed), allowed
 
@@ -135,8 +135,7 @@ def test_a_forced_tool_call_is_the_model_s_markup_with_arguments_under_its_schem
         for seed in range(3):
             shared = node_grammar.shared_grammar(tokenizer, Constraint(tools=choice), tools,
                                                  prompt)  # fmt: skip
-            req = {"tokens": prompt, "grammar": shared,
-                   **to_dict(Sampling(max_tokens=120, temp=1.0, seed=seed))}  # fmt: skip
+            req = SharedRequest(Sampling(max_tokens=120, temp=1.0, seed=seed), prompt, shared)
             text = answer(model, tokenizer, req)[0]
             inner = text.split("<tool_call>", 1)[1].split("</tool_call>", 1)[0]
             call = tokenizer.tool_parser(inner, tools)

@@ -6,9 +6,9 @@ import mlx.core as mx
 import pytest
 from conftest import invoke, reference, run_cli
 
-from cluster.core.spec import Sampling
+from cluster.core.spec import Sampling, SharedRequest
 from node.generate import StopText
-from node.sampling import presence_penalty, repetition_penalty, sampler, settings
+from node.sampling import presence_penalty, repetition_penalty, sampler, seeded
 
 PROMPT = "Tell me about lists"
 SAMPLED = ("--temp", 0.8, "--top-p", 0.9, "--top-k", 50, "--seed", 7)
@@ -129,7 +129,7 @@ def test_min_tokens_to_keep_leaves_min_p_that_many_tokens():
     logprobs = mx.log(mx.array([[0.5, 0.3, 0.2, 0, 0, 0, 0, 0]]))
 
     def drawn(**options) -> set[int]:
-        sample = sampler(settings(Sampling(temp=1.0, min_p=1.0, seed=0, **options)))
+        sample = sampler(SharedRequest(seeded(Sampling(temp=1.0, min_p=1.0, seed=0, **options))))
         mx.random.seed(0)
         return {sample(logprobs).item() for _ in range(200)}
 

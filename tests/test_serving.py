@@ -12,7 +12,7 @@ from conftest import invoke
 
 from cluster.core.hostfile import parse_hostfile
 from cluster.core.protocol import END_OF_INPUT, Piece, Serving, Stats
-from cluster.core.spec import JobSpec, Sampling, ServeSettings, to_dict
+from cluster.core.spec import JobSpec, Order, Sampling, ServeSettings, SharedRequest, to_dict
 from cluster.job.launcher import LaunchError
 from cluster.job.memory import fits
 from cluster.job.state import JobState, RankState
@@ -241,15 +241,15 @@ def test_kept_caches_stay_within_their_bytes(tmp_path):
     from tiny import make_model
 
     from node.batch import Lockstep
-    from node.sampling import settings
+    from node.sampling import seeded
 
     model, tokenizer = load(str(make_model(tmp_path / "m", "llama", seed=1)))
 
     def answer_three(cache_bytes: float) -> Lockstep:
         batch = Lockstep(model, tokenizer, 4, 4, 10, cache_bytes)
         for prompt in ([5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]):
-            request = {"tokens": prompt, **settings(Sampling(max_tokens=3, seed=1))}
-            batch.apply({"insert": [request]})
+            request = SharedRequest(seeded(Sampling(max_tokens=3, seed=1)), prompt)
+            batch.apply(Order(insert=[request]))
             while batch.live:
                 batch.round(None)
         batch.close()
@@ -288,18 +288,18 @@ def test_a_long_prompt_is_prefilled_in_steps_between_the_running_answers_tokens(
     from tiny import make_model
 
     from node.batch import PREFILL_MIN, Lockstep
-    from node.sampling import settings
+    from node.sampling import seeded
 
     model, tokenizer = load(str(make_model(tmp_path / "m", "llama", seed=1, eos_token_id=9999)))
     batch = Lockstep(model, tokenizer, 4, 4, 0, prefill_step=2048, max_stall=0.5)
     got: list = []
-    batch.apply({"insert": [{"tokens": [5, 6, 7], **settings(Sampling(max_tokens=400))}]})
+    batch.apply(Order(insert=[SharedRequest(seeded(Sampling(max_tokens=400)), [5, 6, 7])]))
     while len(got) < 2:
         batch.round(got.append)
     step = batch.next_prefill_step(joining=[1000])  # streams decode: the pace's step
     assert step == batch.pace.step(decoding=True) and PREFILL_MIN <= step <= 2048
-    long = {"tokens": [5 + i % 200 for i in range(1000)], **settings(Sampling(max_tokens=2))}
-    ((uid, _, _),) = batch.apply({"insert": [long], "prefill_step": PREFILL_MIN})
+    long = SharedRequest(seeded(Sampling(max_tokens=2)), [5 + i % 200 for i in range(1000)])
+    ((uid, _, _),) = batch.apply(Order(insert=[long], prefill_step=PREFILL_MIN))
     done = 0
     while batch.prefilling:
         got.clear()
@@ -310,12 +310,12 @@ def test_a_long_prompt_is_prefilled_in_steps_between_the_running_answers_tokens(
             assert 0 < now - done <= batch.generator.prefill_step_size, (done, now)
             done = now
         if (step := batch.next_prefill_step()) is not None:  # the pace, once measured
-            batch.apply({"prefill_step": step})
+            batch.apply(Order(prefill_step=step))
     assert batch.pace.rate is not None
     while uid in batch.live:
         got.clear()
         batch.round(got.append)
-    batch.apply({"remove": [0]})
+    batch.apply(Order(remove=[0]))
     assert not batch.live
     batch.close()
 
@@ -329,12 +329,12 @@ def test_a_cancel_during_the_prefill_stops_it_within_one_chunk(tmp_path):
     from tiny import make_model
 
     from node.generate import generate
-    from node.sampling import settings
+    from node.sampling import seeded
 
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
     model, tokenizer = load(str(make_model(tmp_path / "m", "llama", seed=1, **small)))
-    request = {"tokens": [5 + i % 200 for i in range(5000)], **settings(Sampling(max_tokens=4))}
+    request = SharedRequest(seeded(Sampling(max_tokens=4)), [5 + i % 200 for i in range(5000)])
     seen: list[tuple[int, int]] = []
     cache = make_prompt_cache(model)
     answer = generate(model, tokenizer, request, lambda _: None, prompt_cache=cache,
@@ -363,13 +363,13 @@ def test_health_shows_each_request_being_prefilled():
 def test_kv_bits_reach_mlx_lm_with_and_without_a_draft(monkeypatch):
     """--kv-bits goes to mlx-lm's stream_generate on every path, the speculative one too."""
     import node.generate as g
-    from node.sampling import settings
+    from node.sampling import seeded
 
     seen: list[dict] = []
     monkeypatch.setattr(g, "stream_generate", lambda *a, **kw: seen.append(kw) or iter(()))
     g.use_step_args({"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 0})
     try:
-        request = {"tokens": [1, 2], **settings(Sampling(max_tokens=2))}
+        request = SharedRequest(seeded(Sampling(max_tokens=2)), [1, 2])
         g.token_stream(None, None, request)
         draft = type("Speculation", (), {"proposer": "p", "k": 3})()
         g.token_stream(None, None, request, speculation=draft)
@@ -399,7 +399,7 @@ def test_serve_overlaps_pipeline_stages_only_while_nothing_decodes(tmp_path):
     from tiny import make_model
 
     from node.batch import ROUND_STEPS, Lockstep
-    from node.sampling import settings
+    from node.sampling import seeded
 
     small = {
         "hidden_size": 32,
@@ -414,18 +414,18 @@ def test_serve_overlaps_pipeline_stages_only_while_nothing_decodes(tmp_path):
     assert batch.steps_this_round() == ROUND_STEPS
     step = batch.next_prefill_step(joining=[5000])
     assert step == 256
-    long = {"tokens": [5 + i % 200 for i in range(5000)], **settings(Sampling(max_tokens=2))}
-    ((uid, _, _),) = batch.apply({"insert": [long], "prefill_step": step})
+    long = SharedRequest(seeded(Sampling(max_tokens=2)), [5 + i % 200 for i in range(5000)])
+    ((uid, _, _),) = batch.apply(Order(insert=[long], prefill_step=step))
     assert batch.steps_this_round() == 2048 * 2 // 256
     batch.round(None)
     assert batch.prefilling[uid][0] == 16 * 256  # 16 steps in one round
-    batch.apply({"remove": [uid]})
-    short = {"tokens": [5, 6, 7], **settings(Sampling(max_tokens=400))}
-    batch.apply({"insert": [short]})
+    batch.apply(Order(remove=[uid]))
+    short = SharedRequest(seeded(Sampling(max_tokens=400)), [5, 6, 7])
+    batch.apply(Order(insert=[short]))
     while not batch.decoding():
         batch.round(None)
     step = batch.next_prefill_step(joining=[5000])  # beside a decoding answer: the pace's
     assert step == batch.pace.step(decoding=True)
-    batch.apply({"insert": [long], "prefill_step": step})
+    batch.apply(Order(insert=[long], prefill_step=step))
     assert batch.steps_this_round() == 1
     batch.close()

@@ -306,6 +306,57 @@ class ServeRequest:
 
 
 @dataclass
+class Grammar:
+    """A grammar every rank decodes a request under (node.grammar): llguidance's text, and
+    the tokens it waits for (the end of a think block the prompt opened)."""
+
+    text: str
+    after: list[int] | None = None
+
+
+@dataclass
+class SharedRequest:
+    """What every rank decodes for one request, made by rank 0 and carried to every rank by
+    share_object: the prompt's tokens (a vision model's: its templated prompt and image, which
+    every rank's processor turns into the same tokens), the sampling (the seed drawn), the
+    grammar it follows, and the prompt cache scope it looks in."""
+
+    sampling: Sampling
+    tokens: list[int] = field(default_factory=list)
+    grammar: Grammar | None = None
+    cache_key: str | None = None
+    vlm_prompt: str | None = None
+    image: bytes | None = None
+
+
+@dataclass
+class Order:
+    """Rank 0's order of one round of serve, applied alike by every rank (node.batch): the
+    requests that join the batch, the uids that leave it, a request decoded alone, the end
+    of the job, the prefill step from now on. An empty order is a ping (all still here)."""
+
+    insert: list[SharedRequest] = field(default_factory=list)
+    remove: list[int] = field(default_factory=list)
+    single: SharedRequest | None = None
+    quit: bool = False
+    prefill_step: int | None = None
+
+
+@dataclass
+class ServeSetup:
+    """What every serving rank must agree on before the first order (rank 0's): the random
+    state, the batch's limits and the prompt cache (generators with other limits would
+    schedule differently), and the tokens of KV the answers under way may hold."""
+
+    seed: int
+    decode_concurrency: int
+    prompt_concurrency: int
+    prefill_step: int
+    prompt_cache_size: int
+    cache_gb: float | None
+
+
+@dataclass
 class KVQuant:
     """A quantized KV cache (mlx-lm's QuantizedKVCache, as ``mlx_lm.generate --kv-bits``):
     each rank quantizes its own layers' or heads' cache once it holds ``quantized_kv_start``
@@ -566,16 +617,17 @@ def pick(cls: type[T], values: dict[str, Any]) -> T:
     return cls(**{n: values.pop(n) for n in names})
 
 
-def to_dict(obj: Any) -> Any:
-    """Dataclasses to plain JSON values; bytes become base64 text (the spec is a JSON file)."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+def to_dict(obj: Any, raw_bytes: bool = False) -> Any:
+    """Dataclasses to plain JSON values; bytes become base64 text (the spec is a JSON file),
+    or stay bytes with ``raw_bytes`` (share_object sends them raw, after its JSON header)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name), raw_bytes) for f in dataclasses.fields(obj)}
     if isinstance(obj, (bytes, bytearray)):
-        return base64.b64encode(obj).decode()
+        return bytes(obj) if raw_bytes else base64.b64encode(obj).decode()
     if isinstance(obj, (list, tuple)):
-        return [to_dict(v) for v in obj]
+        return [to_dict(v, raw_bytes) for v in obj]
     if isinstance(obj, dict):
-        return {k: to_dict(v) for k, v in obj.items()}
+        return {k: to_dict(v, raw_bytes) for k, v in obj.items()}
     return obj
 
 
@@ -593,14 +645,20 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
 
 @functools.cache
 def _decoders(cls: type) -> dict[str, Any]:
-    """Per field of ``cls``: the dataclass, ``bytes`` or None (a plain JSON value) its value
-    is decoded as. Resolved once per class: the launcher decodes an event per token."""
+    """Per field of ``cls``: the dataclass, ``bytes``, ``[dataclass]`` (a list of them) or
+    None (a plain JSON value) its value is decoded as. Resolved once per class: the launcher
+    decodes an event per token."""
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         options = typing.get_args(hint) if _is_union(hint) else (hint,)
-        out[f.name] = next((o for o in options if dataclasses.is_dataclass(o) or o is bytes), None)
+        found = next((o for o in options if dataclasses.is_dataclass(o) or o is bytes), None)
+        for o in options:
+            args = typing.get_args(o)
+            if typing.get_origin(o) is list and args and dataclasses.is_dataclass(args[0]):
+                found = [args[0]]
+        out[f.name] = found
     return out
 
 
@@ -608,7 +666,11 @@ def _value(decoder: Any, value: Any) -> Any:
     if value is None or decoder is None:
         return value
     if decoder is bytes:
-        return base64.b64decode(value)
+        return bytes(value) if isinstance(value, (bytes, bytearray)) else base64.b64decode(value)
+    if isinstance(decoder, list):
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list of {decoder[0].__name__}")
+        return [from_dict(decoder[0], v) for v in value]
     return from_dict(decoder, value)
 
 

@@ -177,9 +177,7 @@ class Responses:
         include = body.get("include") or []
         top = top_logprobs(body, "top_logprobs")
         wanted = LOGPROBS_INCLUDE in include if isinstance(include, list) else False
-        chosen = sampling(
-            body, API_SAMPLING, door, max_tokens(body, door, "max_output_tokens"), []
-        )
+        chosen = sampling(body, API_SAMPLING, door, max_tokens(body, door, "max_output_tokens"), [])
         return ServeRequest(
             id="",
             kind="chat",
