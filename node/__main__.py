@@ -1,16 +1,15 @@
 """A rank: ``python -m node run --spec JOB.json``, and its launcher watcher, ``python -m node
-watch`` (``node.watchdog``; the rank starts it).
+watch`` (``node.rank.watchdog``; the rank starts it).
 
 stdout carries only generated text (rank 0); stderr carries logs and one-line JSON events for
-the launcher (``cluster.core.protocol``); stdin is the launcher's channel (``node.watchdog``). Exit
-codes: 0 done, 1 this rank failed, 3 this rank stopped because rank 0 failed; killed (SIGKILL)
-by its watcher when the launcher was lost.
+the launcher (``cluster.core.protocol``); stdin is the launcher's channel
+(``node.rank.watchdog``). Exit codes: 0 done, 1 this rank failed, 3 this rank stopped because
+rank 0 failed; killed (SIGKILL) by its watcher when the launcher was lost.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -25,12 +24,12 @@ from cluster.core.protocol import (
     Memory,
     Notice,
     Phase,
-    Prefill,
     Ready,
     Stats,
     encode_event,
 )
-from cluster.core.spec import JobSpec, Request, SharedRequest
+from cluster.core.spec import JobSpec
+from node.jobs import Job
 
 EXIT_FAILED = 1
 EXIT_PEER_FAILED = 3
@@ -64,29 +63,28 @@ def write_text(text: str) -> None:
 
 
 def run(spec: JobSpec) -> None:
-    from .dist import barrier, init_group
-    from .generate import generate, use_step_args
-    from .load import load_shard
-    from .memory import apply_memory_limits
-    from .share import share_typed
-    from .vlm import generate_vlm
-    from .watchdog import wait_for_start
+    """One rank's job: join the group, load this rank's share, then the command's job
+    (``JOBS``), every rank alike."""
+    from node.decode.prefill import use_step_args
+    from node.model.load import load_shard
+    from node.rank.dist import barrier, init_group
+    from node.rank.memory import apply_memory_limits
+    from node.rank.watchdog import wait_for_start
 
     emit(Phase("init"))
     # every rank joins at the launcher's START, together (cluster.core.protocol.START)
     if not wait_for_start(spec.launcher_timeout):
         raise RuntimeError("the launcher never said START: another rank did not get ready")
     group = init_group(spec.world_size)
-    rank = group.rank()
-
+    write = write_text if group.rank() == 0 else None
     if spec.command == "links":  # doctor --links: the backend alone, no model
-        from .links import run_links
+        from node.rank.links import run_links
 
         emit(Ready(0.0))
         run_links(group, spec.hostfile_backend, emit)
         return
     if spec.command == "serve" and spec.measure_links and spec.world_size > 1:
-        from .links import AT_START, run_links  # before the model: links idle, memory free
+        from node.rank.links import AT_START, run_links  # before the model: links idle, memory free
 
         emit(Phase("links"))
         run_links(group, spec.hostfile_backend, emit, AT_START)
@@ -98,7 +96,7 @@ def run(spec: JobSpec) -> None:
     tic = time.perf_counter()
     loaded = load_shard(spec.model, spec.mode, group, spec.split, spec.split_weights)
     if spec.draft.on:
-        from .draft import load_draft
+        from node.model.draft import load_draft
 
         loaded.speculation = load_draft(spec.draft, loaded, group)
     barrier(group)
@@ -109,104 +107,60 @@ def run(spec: JobSpec) -> None:
     use_step_args({**spec.kv_quant.generate_kwargs(), **steps}, stages)
     if loaded.processor is None:  # a grammar's tokens, built when the first grammar comes
         from cluster.core.modelcheck import text_config
-
-        from .grammar import use_tokenizer
+        from node.decode.grammar import use_tokenizer
 
         vocab = text_config(loaded.config).get("vocab_size") or loaded.tokenizer.vocab_size
         use_tokenizer(loaded.path, loaded.tokenizer.eos_token_ids, vocab)
+    if spec.command in ("chat", "serve", "bench"):  # every rank alike; one-shot jobs: rank 0
+        check_request(loaded.config, spec.command, False, repr(loaded.config["model_type"]))
     disk = None
     if spec.command in ("chat", "serve", "generate"):
-        from .diskcache import open_disk_cache
+        from node.jobs.diskcache import open_disk_cache
 
         disk = open_disk_cache(loaded, spec, group, log, lambda m: emit(Notice(m)))
+    JOBS[spec.command](Job(spec, group, loaded, emit, log, write, disk))
 
-    command = spec.command
-    stats = None  # a one-shot answer's, reported by rank 0 once every rank is done
-    if command in ("chat", "serve", "bench"):  # every rank alike; one-shot jobs: rank 0
-        check_request(loaded.config, command, False, repr(loaded.config["model_type"]))
-    if command == "serve":
-        from .serve import run_serve
 
-        run_serve(loaded, group, spec, emit, log, disk)
-        return
-    if command == "bench":
-        from .bench import run_bench
+def serve(job: Job) -> None:
+    from node.jobs.serve import run_serve
 
-        run_bench(loaded, group, spec.bench, emit)
-    elif command == "chat":
-        from .chat import run_chat
+    run_serve(job)
 
-        run_chat(loaded, group, spec, emit, write_text if rank == 0 else None, disk)
-    else:
-        make = (lambda: make_job_request(loaded, spec.request, command)) if rank == 0 else None
-        request = share_typed(SharedRequest, make, group, "prepare the request")
-        write = write_text if rank == 0 else None
-        if command == "logits":  # the prompt's logits, then the text, in one JSON line
-            emit(Phase("generating", prompt_tokens=len(request.tokens)))
-            pieces: list[str] = []
-            first: list = []
-            generate(loaded.model, loaded.tokenizer, request, pieces.append if write else None,
-                     group, first_logits=first,
-                     on_prefill=report_prefill if rank == 0 else None)  # fmt: skip
-            if write:
-                n = len(request.tokens)
-                logits = first[0].tolist()
-                write(json.dumps({"prompt_tokens": n, "logits": logits, "text": "".join(pieces)}))
-                write("\n")
-        elif loaded.processor is not None:
-            emit(Phase("generating"))
-            stats = generate_vlm(loaded.model, loaded.processor, request, write, group)
-        else:
-            tokens = request.tokens
-            emit(Phase("generating", prompt_tokens=len(tokens)))
-            cache, from_disk = (None, 0) if disk is None else disk.lookup(loaded.model, tokens)
-            answer = generate(
-                loaded.model,
-                loaded.tokenizer,
-                request,
-                write,
-                group,
-                prompt_cache=cache,
-                feed=tokens[from_disk:] if cache is not None else None,
-                speculation=loaded.speculation,
-                on_prefill=report_prefill if rank == 0 else None,
-                from_disk=from_disk,
-            )
-            stats = answer.stats
-            if disk is not None:
-                disk.save(tokens + answer.tokens, cache)
-                disk.flush()  # the job ends: its blocks are on disk before it does
-    emit_memory()
-    barrier(group)
-    if stats is not None and rank == 0:
+
+def chat(job: Job) -> None:
+    from node.jobs.chat import run_chat
+
+    run_chat(job)
+    finish(job)
+
+
+def bench(job: Job) -> None:
+    from node.jobs.bench import run_bench
+
+    run_bench(job)
+    finish(job)
+
+
+def oneshot(job: Job) -> None:
+    from node.jobs.oneshot import run_oneshot
+
+    finish(job, run_oneshot(job))
+
+
+def finish(job: Job, stats: dict | None = None) -> None:
+    """The end of a job that is not serve: each rank's peak memory, then every rank meets,
+    then rank 0's stats (the launcher reports them once every rank is done)."""
+    import mlx.core as mx
+
+    from node.rank.dist import barrier
+
+    emit(Memory(mx.get_peak_memory() / 1e9))
+    barrier(job.group)
+    if stats is not None and job.group.rank() == 0:
         emit(Stats(**stats))
 
 
-def report_prefill(done: int, total: int) -> None:
-    emit(Prefill(done, total))
-
-
-def emit_memory() -> None:
-    """This rank's peak memory (MLX's count: weights, caches, activations)."""
-    import mlx.core as mx
-
-    emit(Memory(mx.get_peak_memory() / 1e9))
-
-
-def make_job_request(loaded, r: Request, command: str) -> SharedRequest:
-    """Rank 0's request for this model: tokens for a text model; for a VLM, the templated
-    prompt and the image bytes (every rank runs the processor on them)."""
-    from .generate import make_request
-    from .sampling import seeded
-    from .vlm import make_vlm_request
-
-    check_request(loaded.config, command, r.image is not None, repr(loaded.config["model_type"]))
-    if loaded.processor is None:
-        return make_request(loaded.tokenizer, r)
-    if r.constraint is not None:
-        raise ValueError("--json-schema and --regex need a text model (this one sees images)")
-    config = loaded.model.config
-    return make_vlm_request(loaded.processor, config, r.prompt, r.image, seeded(r.sampling))
+JOBS = {"serve": serve, "chat": chat, "bench": bench, "generate": oneshot, "logits": oneshot}
 
 
 def reexec_with_blas(spec: JobSpec, argv: list[str]) -> None:
@@ -233,11 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     watch_p.add_argument("--lifeline", type=int, required=True)
     args = parser.parse_args(argv)
     if args.cmd == "watch":
-        from .watchdog import watch_launcher
+        from node.rank.watchdog import watch_launcher
 
         watch_launcher(args.rank_pid, args.timeout, args.lifeline)
         return 0
-    from .watchdog import hold_start
+    from node.rank.watchdog import hold_start
 
     hold_start()  # before any thread exists (mlx starts its own): START may come to any of them
     try:
@@ -248,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         emit(Error(f"cannot read the job spec: {e}", t=time.time()))
         return EXIT_FAILED
     reexec_with_blas(spec, argv)
-    from .share import PeerFailed  # imports mlx: after the BLAS is chosen
-    from .watchdog import start_heartbeat, start_launcher_link
+    from node.rank.share import PeerFailed  # imports mlx: after the BLAS is chosen
+    from node.rank.watchdog import start_heartbeat, start_launcher_link
 
     start_launcher_link(spec.launcher_timeout)
     start_heartbeat(emit)

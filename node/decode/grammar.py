@@ -1,0 +1,267 @@
+"""Constrained decoding: an answer that must match a grammar (a JSON schema, a regex, a Lark
+grammar, a forced tool call), decoded under a token mask wherever a token is sampled.
+
+llguidance (maintained, Rust, the engine behind vLLM's and SGLang's guidance backends) turns
+the grammar into a matcher over this model's tokens. Every rank samples (the same logits on
+every rank: pipeline stages share the last hidden state, tensor shards all_sum), so every rank
+builds its own matcher from the same grammar text and the same tokenizer.json, consumes the
+same sampled tokens, and so computes the same mask: no mask crosses a link. The launcher
+already checked the grammar without a tokenizer (cluster.serve.api.constrain); rank 0 checks
+it against the model's tokens on its prepare thread, and a grammar is compiled once per
+process (``compiled``, cached by its text) and copied for each request, so nothing compiles on
+the decode loop twice.
+
+A mask is computed while the forward pass runs: the processor starts the step's evaluation
+(``mx.async_eval``) before it reads the last token and asks the matcher. When the prompt leaves
+the model inside a think block, the mask waits until the block closes (``after``): reasoning
+is free, the answer is constrained.
+
+A forced tool call (``tool_choice`` required or a named tool, Anthropic's ``any``/``tool``) or a
+strict tool is a grammar in the model's own tool-call markup, built here from the request's
+tools and mlx-lm's parser of the family (``tool_grammar``): JSON inside the markers (json_tools,
+Qwen's and Hermes'), or Mistral's ``[TOOL_CALLS][...]``. Other families' markup is refused with
+the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from cluster.core.grammar import JSON_OPTIONS, LIMITS  # one set for the launcher and ranks
+from cluster.core.spec import Grammar
+
+
+class GrammarError(ValueError):
+    """A grammar this model's tokens cannot follow, or a tool call it cannot force."""
+
+
+@dataclass
+class Tokens:
+    """The job's tokenizer as llguidance sees it, and the width of the model's logits."""
+
+    tokenizer: Any  # llguidance.LLTokenizer
+    vocab: int  # logits' last dimension (the config's vocab_size, often past the tokenizer)
+
+
+_SOURCE: tuple[Path, tuple[int, ...], int] | None = None  # tokenizer.json, eos ids, vocab
+
+
+def limits():
+    import llguidance
+
+    return llguidance.LLParserLimits(**LIMITS)
+
+
+def use_tokenizer(model_dir: Path, eos_ids, vocab: int) -> None:
+    """The job's tokenizer for every grammar (each rank, once the model is loaded): the
+    tokenizer.json beside the weights, read by llguidance's own Rust tokenizers when the
+    first grammar comes (a job that constrains nothing never builds it)."""
+    global _SOURCE
+    _SOURCE = (Path(model_dir) / "tokenizer.json", tuple(sorted(eos_ids)), int(vocab))
+    tokens.cache_clear()
+    compiled.cache_clear()
+
+
+@functools.cache
+def tokens() -> Tokens:
+    import llguidance
+
+    if _SOURCE is None or not _SOURCE[0].exists():
+        raise GrammarError("this model has no tokenizer.json: its answers cannot be constrained")
+    path, eos, vocab = _SOURCE
+    eos = [e for e in eos if 0 <= e < vocab] or None  # else tokenizer.json's own
+    try:
+        tokenizer = llguidance.LLTokenizer(str(path), n_vocab=vocab, eos_token=eos)
+    except (ValueError, RuntimeError) as e:
+        raise GrammarError(f"llguidance cannot read this model's tokenizer ({e})") from None
+    return Tokens(tokenizer, vocab)
+
+
+@functools.lru_cache(maxsize=128)
+def compiled(grammar: str):
+    """The pristine matcher of ``grammar`` (copied for each request); GrammarError when this
+    model's tokens cannot follow it."""
+    import llguidance
+
+    t = tokens()
+    error = llguidance.LLMatcher.validate_grammar(grammar, t.tokenizer, limits=limits())
+    if error and not error.startswith("WARNING"):
+        raise GrammarError(error.strip().splitlines()[0][:500])
+    matcher = llguidance.LLMatcher(t.tokenizer, grammar, log_level=0, limits=limits())
+    if matcher.is_error():
+        raise GrammarError(matcher.get_error().strip().splitlines()[0][:500])
+    return matcher
+
+
+def check(grammar: str) -> None:
+    """Rank 0, off the decode loop: the grammar compiles for this model (GrammarError)."""
+    compiled(grammar)
+
+
+class Constrained:
+    """A logits processor (mlx-lm's ``processor(tokens, logits)``) that masks every token the
+    grammar does not allow next. ``after``: token ids that must appear in the answer before
+    the grammar applies (the end of a think block the prompt opened)."""
+
+    def __init__(self, grammar: str, after: list[int] | None = None):
+        self.grammar = grammar
+        self.after = list(after or [])
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the start (``node.sampling.tried`` runs the chain once on dummy tokens)."""
+        self.matcher = compiled(self.grammar).deep_copy()
+        self.start: int | None = None  # tokens before the first call: the prompt (or feed)
+        self.fed = 0  # answer tokens given to the matcher (or to the wait for ``after``)
+        self.waiting = bool(self.after)
+        self.tail: list[int] = []  # the answer so far while waiting, to find ``after`` in
+        t = tokens()
+        self.words = np.zeros((1, (t.vocab + 31) // 32), dtype=np.int32)
+
+    def __call__(self, history: mx.array, logits: mx.array) -> mx.array:
+        n = history.shape[-1]
+        if self.start is None:
+            self.start = n
+        mx.async_eval(logits)  # the step's forward runs while the matcher works
+        new = history[self.start + self.fed :].tolist() if n > self.start + self.fed else []
+        self.fed += len(new)
+        if self.waiting:
+            self.tail += new
+            at = find(self.tail, self.after)
+            if at < 0:
+                return logits
+            self.waiting = False
+            new = self.tail[at + len(self.after) :]
+        if new:
+            self.matcher.consume_tokens(new)
+        return self.masked(logits)
+
+    def masked(self, logits: mx.array) -> mx.array:
+        from llguidance.numpy import fill_next_token_bitmask
+
+        if self.matcher.is_error():  # cannot happen under the mask; end the answer alike
+            allowed = np.zeros(logits.shape[-1], dtype=bool)
+            allowed[tokens().tokenizer.eos_tokens] = True
+        else:
+            fill_next_token_bitmask(self.matcher, self.words)
+            bits = np.unpackbits(self.words.view(np.uint8), bitorder="little")
+            allowed = np.zeros(logits.shape[-1], dtype=bool)
+            width = min(len(bits), logits.shape[-1])
+            allowed[:width] = bits[:width].astype(bool)
+        return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), logits.dtype))
+
+
+def find(seq: list[int], part: list[int]) -> int:
+    """Where ``part`` first occurs in ``seq`` (-1: nowhere)."""
+    k = len(part)
+    for i in range(len(seq) - k + 1):
+        if seq[i : i + k] == part:
+            return i
+    return -1
+
+
+# Forced tool calls, in the model's own markup
+
+
+def tool_grammar(tokenizer, tools: list[dict], choice: str) -> str:
+    """The grammar of an answer that calls tools: ``choice`` "required" (one or more calls
+    of any tool, nothing else), a tool's name (exactly that call), or "strict" (free text,
+    and each call its markup starts made to match its tool's schema). GrammarError when the
+    model's markup is not one this can write."""
+    import llguidance
+
+    start = getattr(tokenizer, "tool_call_start", None)
+    end = getattr(tokenizer, "tool_call_end", None) or ""
+    parser = getattr(getattr(tokenizer, "tool_parser", None), "__module__", "") or ""
+    family = parser.rsplit(".", 1)[-1]
+    if not start:
+        raise GrammarError("this model has no tool-call format: a tool call cannot be forced")
+    if family not in ("json_tools", "mistral"):
+        raise GrammarError(
+            f"this model's tool-call format ({family}) cannot be forced; use tool_choice auto"
+        )
+    functions = {t["function"]["name"]: t["function"] for t in tools if "function" in t}
+    if choice not in ("required", "strict") and choice not in functions:
+        raise GrammarError(f"no tool named {choice!r} among the request's tools")
+    names = list(functions) if choice in ("required", "strict") else [choice]
+    if not names:
+        raise GrammarError("the request has no tools to call")
+
+    def call_schema(name: str) -> dict:
+        parameters = functions[name].get("parameters") or {"type": "object"}
+        return {"type": "object", "properties": {"name": {"const": name},
+                "arguments": parameters}, "required": ["name", "arguments"],
+                "additionalProperties": False}  # fmt: skip
+
+    compact = {"x-guidance": JSON_OPTIONS}  # JSON as cluster.core.grammar writes it
+
+    one = {"anyOf": [call_schema(n) for n in names]} if len(names) > 1 else call_schema(names[0])
+    one = {**one, **compact}
+    body = f"%json {json.dumps(one)}"
+    open_, close = marker(tokenizer, start), marker(tokenizer, end) if end else ""
+    if choice == "strict":  # free text (and a think block), each call made to match
+        if family != "json_tools":
+            raise GrammarError(f"strict tools need JSON tool calls; this model's are {family}")
+        if open_.startswith("<["):
+            call = f'TEXT {open_} "\\n" {body} "\\n" {close}'
+        else:  # a text marker: the text before it is lazy, so that the marker ends it
+            call = f'call_open "\\n" {body} "\\n" {close}\ncall_open[lazy]: TEXT {open_}'
+        think = think_rule(tokenizer)
+        return llguidance.LLMatcher.grammar_from_lark(
+            f"%llguidance {{}}\nstart: {'think? ' if think else ''}call* TEXT\ncall: {call}\n"
+            f"TEXT: /(.|\\n)*/\n{think}"
+        )
+    if family == "json_tools":
+        call = f'{open_} "\\n" {body} "\\n" {close}'
+        many = 'call ("\\n" call)*' if choice == "required" else "call"
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {many}\ncall: {call}\n")
+    many = f'"[" {body} ("," " "? {body})* "]"' if choice == "required" else f'"[" {body} "]"'
+    return llguidance.LLMatcher.grammar_from_lark(f"start: {open_} {many}\n")
+
+
+def think_rule(tokenizer) -> str:
+    """A think block of the model's own special markers, for a grammar whose free text may
+    begin with one ("" when the markers are not special tokens: text covers them)."""
+    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
+    if not start or not end:
+        return ""
+    open_, close = marker(tokenizer, start), marker(tokenizer, end)
+    if not (open_.startswith("<[") and close.startswith("<[")):
+        return ""
+    return f"think: {open_} THOUGHT {close}\nTHOUGHT: /(.|\\n)*/\n"
+
+
+def marker(tokenizer, text: str) -> str:
+    """A markup string in Lark: the special token itself when it is one (its bytes are not
+    text), else the text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    if len(ids) == 1 and (ids[0] in special or getattr(added.get(ids[0]), "special", False)):
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
+
+
+def shared_grammar(tokenizer, constraint, tools: list | None, prompt: list[int]) -> Grammar:
+    """Rank 0: what every rank needs to constrain the answer (the grammar's text, and the
+    tokens it waits for), checked against this model; GrammarError otherwise."""
+    text = constraint.grammar or tool_grammar(tokenizer, tools or [], constraint.tools or "")
+    check(text)
+    return Grammar(text, think_end(tokenizer, prompt))
+
+
+def think_end(tokenizer, prompt: list[int]) -> list[int] | None:
+    """The token ids that end the think block the prompt leaves the model in (None: the
+    prompt does not open one, and the grammar applies from the first token)."""
+    from node.decode.reasoning import opens_in_thought
+
+    if not opens_in_thought(tokenizer, prompt):
+        return None
+    return tokenizer.encode(tokenizer.think_end, add_special_tokens=False)

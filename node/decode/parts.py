@@ -1,0 +1,177 @@
+"""Rank 0 in serve: a chat answer's text into the parts an API returns apart.
+
+The text arrives as the client would see it (node.decode.text.AnswerText: think markers made
+``<think>`` / ``</think>``, stop strings cut). Here it comes apart into reasoning (inside the
+think block), content, and tool calls in the family's own markup: mlx-lm's tokenizer wrapper
+knows the markers and the parser (``tool_call_start``, ``tool_call_end``, ``tool_parser``). A
+call is parsed once its end marker arrives, or when the answer ends for families without one.
+Markup that does not parse is kept as content: nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+from cluster.core.protocol import Piece, ToolCall
+from cluster.core.text import valid_text
+from node.decode.reasoning import THINK_CLOSE, THINK_OPEN, held_back
+
+CONTENT, REASONING, TOOL = "content", "reasoning", "tool"
+
+
+class Parts:
+    """One answer's text, split as it streams; ``emit`` gets Piece and ToolCall events."""
+
+    def __init__(self, request_id: str, tokenizer, tools: list | None, split: bool, emit):
+        self.id = request_id
+        self.emit = emit
+        self.tools = tools
+        self.parser: Callable | None = None
+        self.transitions: dict[str, list[tuple[str, str]]] = {CONTENT: [], REASONING: []}
+        if split:
+            self.transitions[CONTENT].append((THINK_OPEN, REASONING))
+            self.transitions[REASONING].append((THINK_CLOSE, CONTENT))
+        start = getattr(tokenizer, "tool_call_start", None)
+        if split and tools and start and getattr(tokenizer, "tool_parser", None):
+            self.parser = tokenizer.tool_parser
+            for state in (CONTENT, REASONING):
+                self.transitions[state].append((start, TOOL))
+            end = getattr(tokenizer, "tool_call_end", None)
+            self.transitions[TOOL] = [(end, CONTENT)] if end else []
+            self.start_marker = start
+        self.state = CONTENT
+        self.pending = ""  # text not yet shown: it may be the start of a marker
+        self.call = ""  # the tool call's markup so far
+        self.trim = False  # drop the whitespace that follows a marker
+        self.calls = 0
+        self.logprobs: list[dict[str, Any]] = []
+
+    def token(self, entry: dict[str, Any]) -> None:
+        """One decoded token's logprobs: they travel with the next piece."""
+        self.logprobs.append(entry)
+
+    def feed(self, text: str) -> None:
+        self.pending += text
+        while True:
+            edges = self.transitions.get(self.state, [])
+            hits = [(i, m, to) for m, to in edges if (i := self.pending.find(m)) >= 0]
+            if not hits:
+                break
+            i, marker, to = min(hits)
+            self.out(self.pending[:i])
+            self.pending = self.pending[i + len(marker) :]
+            self.switch(to, marker)
+        cut = len(self.pending) - held_back(self.pending, [m for m, _ in edges])
+        self.out(self.pending[:cut])
+        self.pending = self.pending[cut:]
+        self.send_logprobs()
+
+    def finish(self) -> bool:
+        """The answer ended: what is held back goes out. True if the model called a tool."""
+        self.out(self.pending)
+        self.pending = ""
+        if self.state == TOOL:
+            self.switch(CONTENT, "")
+        self.send_logprobs()
+        return self.calls > 0
+
+    def switch(self, to: str, marker: str) -> None:
+        """Into state ``to``; the whitespace after a marker is dropped, unless the marker
+        closed markup that did not parse (that stays as the model wrote it)."""
+        parsed = True
+        if self.state == TOOL:
+            parsed = self.parse(self.call, marker)
+            self.call = ""
+        elif to == TOOL:
+            self.call = ""
+        self.state = to
+        self.trim = parsed
+
+    def out(self, text: str) -> None:
+        if self.state == TOOL:
+            self.call += text
+            return
+        if self.trim:
+            text = text.lstrip()
+            self.trim = not text
+        if text or self.logprobs:
+            self.emit(Piece(self.id, text, self.state, self.logprobs or None))
+            self.logprobs = []
+
+    def send_logprobs(self) -> None:
+        if self.logprobs:
+            self.emit(Piece(self.id, "", self.state if self.state != TOOL else CONTENT,
+                            self.logprobs))  # fmt: skip
+            self.logprobs = []
+
+    def parse(self, markup: str, end: str) -> bool:
+        try:
+            parsed = self.parser(markup, self.tools)
+            calls = parsed if isinstance(parsed, list) else [parsed]
+            found = [
+                (c["name"], c.get("arguments", {}), c.get("id"))
+                for c in calls
+                if isinstance(c, dict) and isinstance(c.get("name"), str)
+            ]
+            if not found:
+                raise ValueError("no function name in it")
+        except Exception:  # the family's parser: ValueError, JSONDecodeError, KeyError, ...
+            self.state = CONTENT
+            self.trim = False
+            self.out(self.start_marker + markup + end)  # as written: nothing is lost
+            return False
+        for name, arguments, call_id in found:
+            arguments = arguments if isinstance(arguments, str) else arguments_json(arguments)
+            self.emit(ToolCall(self.id, self.calls, valid_text(name), valid_text(arguments),
+                               None if call_id is None else valid_text(str(call_id))))  # fmt: skip
+            self.calls += 1
+        return True
+
+
+def arguments_json(value: Any) -> str:
+    """A parser's arguments as JSON text, whatever they hold: mlx-lm's parsers that use
+    ``ast.literal_eval`` can give sets, tuples, bytes, complex numbers or non-finite floats,
+    which JSON has no form for; those become lists or strings (nothing the model wrote is
+    dropped, and the call still reaches the client)."""
+    return json.dumps(plain(value), ensure_ascii=False, allow_nan=False)
+
+
+def plain(value: Any, depth: int = 0) -> Any:
+    if depth > 64:
+        return valid_text(repr(value)[:10_000])
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, str):
+        return valid_text(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {valid_text(str(k)): plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain(v, depth + 1) for v in value]
+    return valid_text(str(value))
+
+
+def token_logprobs(tokenizer, token: int, logprobs, top: int) -> dict[str, Any]:
+    """OpenAI's logprobs entry of one token: its text, log-probability, UTF-8 bytes and the
+    ``top`` likeliest tokens at that step (``logprobs``: the step's log-softmax, an mx.array)."""
+    import mlx.core as mx
+
+    def entry(i: int, value: float) -> dict[str, Any]:
+        text = tokenizer.decode([i])
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    chosen = entry(token, logprobs[token].item())
+    if top > 0:
+        ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+        values = logprobs[ids].tolist()
+        ranked = sorted(zip(ids.tolist(), values, strict=True), key=lambda p: -p[1])
+        chosen["top_logprobs"] = [entry(i, v) for i, v in ranked]
+    else:
+        chosen["top_logprobs"] = []
+    return chosen

@@ -1,0 +1,278 @@
+"""Continuous batching in lockstep: every rank runs the same mlx-lm BatchGenerator.
+
+mlx-lm's BatchGenerator is deterministic: the same inserts, removals and ``next()`` calls give
+the same tokens on every rank (pipeline stages and tensor shards compute the same logits, and the
+random state is seeded alike). So rank 0 decides, once a round, which requests join (prompt
+tokens and sampling settings) and which leave (a stop string rank 0 saw, a client gone), shares
+that order (plain JSON, share_object), and every rank applies it and steps the generator for the
+round. Only rank 0 turns tokens into text.
+
+Each rank also keeps the same prompt cache (mlx-lm's LRUPromptCache, holding that rank's own
+layers or slices): a finished answer's cache is kept under its tokens, and a new request starts
+from the longest cached prefix, so a client that sends the conversation again prefills only its
+new turn. Every rank makes the same inserts and lookups in the same order. The cache is bounded
+by count and by bytes; bytes differ from rank to rank, so after a round that kept an answer,
+one all_sum tells every rank whether any rank is over its bytes, and every rank then drops its
+least recently used entry alike, until none is.
+
+A request whose settings fail (node.sampling.tried, the same on every rank) does not join: it
+fails alone and the batch goes on.
+
+A long prompt does not stop the answers already decoding: mlx-lm's generator prefills at most
+``prefill_step_size`` tokens of each prompt per step, between two decode steps. While answers
+decode, rank 0 shrinks that step to what the ranks prefill in ``max_stall`` seconds (measured
+over the last steps; ``PrefillPace``) and shares it in its order, so every rank steps alike.
+While a prompt is being prefilled beside decoding answers a round is one step, so a new order
+(a cancel, a new request) is taken between any two chunks.
+
+In pipeline mode with nothing decoding, the prompt goes in smaller steps (node.decode.prefill's
+``prefill_step``: the stages work on different steps at once) and a round takes as many as make
+2048 (or --prefill-step, if more) x stages tokens: about the time one rank takes for one full
+step, after which the next order is taken. (Each round ends in a collective, which drains the
+pipeline.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, generation_stream
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
+
+from cluster.core.spec import Order
+from node.decode.loop import STOP_CHECK_EVERY, Ticking
+from node.decode.prefill import PREFILL_STEP, prefill_step
+from node.decode.sampling import RequestFailed, tried
+from node.jobs.diskcache import BLOCK_TOKENS, worth_reading
+from node.rank.dist import control_stream
+from node.rank.memory import reapply_wired_limit
+
+ROUND_STEPS = STOP_CHECK_EVERY  # generator steps between two orders of rank 0
+MODEL_KEY = "served"  # one model per server: every cache entry is under this key
+PREFILL_MIN = 32  # the smallest prefill step while answers decode: below it a step is overhead
+
+
+class PrefillPace:
+    """Rank 0's prefill step: the most tokens while nothing decodes, else what the ranks
+    prefill in ``max_stall`` seconds at the rate of the last steps (attention grows with the
+    prompt's length, so the rate is followed as it falls)."""
+
+    def __init__(self, most: int, max_stall: float):
+        self.most = most
+        self.max_stall = max_stall
+        self.rate: float | None = None  # prompt tokens per second, recent steps weigh most
+
+    def measured(self, tokens: int, seconds: float) -> None:
+        if tokens and seconds > 0:
+            rate = tokens / seconds
+            self.rate = rate if self.rate is None else 0.5 * self.rate + 0.5 * rate
+
+    def step(self, decoding: bool) -> int:
+        if not decoding or self.max_stall <= 0:
+            return self.most
+        if self.rate is None:
+            return min(self.most, PREFILL_MIN)
+        return max(min(self.most, PREFILL_MIN), min(self.most, int(self.rate * self.max_stall)))
+
+
+def cache_scope(key: str | None) -> str:
+    """Where a request looks in the prompt cache and leaves its answer's cache: one scope
+    per ``prompt_cache_key`` (the disk tier keeps the unscoped ones only), else the shared
+    one."""
+    return MODEL_KEY if key is None else f"{MODEL_KEY}/{key}"
+
+
+def batchable(model) -> bool:
+    """Whether every cache slot of this model can be batched (mlx-lm's own test)."""
+    return all(hasattr(c, "merge") for c in make_prompt_cache(model))
+
+
+class Lockstep:
+    """One rank's batch. Every rank holds the same uids: they come from the same orders."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        decode_concurrency: int,
+        prompt_concurrency: int,
+        prompt_cache_size: int,
+        cache_bytes: float = float("inf"),
+        group=None,
+        vocab: int | None = None,
+        prefill_step: int = 2048,
+        max_stall: float = 0.0,
+        stages: int = 1,
+        disk=None,
+    ):
+        self.prompt_cache = (
+            LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
+        )
+        self.cache_bytes = cache_bytes  # this rank's most bytes of kept caches
+        self.group = group
+        self.vocab = vocab or tokenizer.vocab_size
+        self.generator = BatchGenerator(
+            Ticking(model),  # a tick per forward pass: a long batched prefill is progress
+            stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
+            completion_batch_size=decode_concurrency,
+            prefill_batch_size=prompt_concurrency,
+            prefill_step_size=prefill_step,
+            stream=generation_stream,
+        )
+        reapply_wired_limit()
+        self.live: set[int] = set()  # inserted and not yet finished or removed
+        self.prefilling: dict[int, tuple[int, int]] = {}  # uid -> (prompt tokens done, of)
+        self.pace = PrefillPace(prefill_step, max_stall)  # rank 0's
+        self.stages = stages  # pipeline stages (1 in tensor mode)
+        self.model = model
+        self.disk = disk  # node.diskcache.DiskCache: the tier under the prompt cache
+        self.from_disk: dict[int, int] = {}  # the last apply's: uid -> prompt tokens from disk
+        self.scopes: dict[int, str] = {}  # uid -> its prompt cache scope (prompt_cache_key)
+        self.kept = 0  # answers' caches kept since the bytes were last checked
+
+    def decoding(self) -> bool:
+        return len(self.live) > len(self.prefilling)
+
+    def next_prefill_step(self, joining: list[int] = ()) -> int | None:
+        """Rank 0: the prefill step the next round should take (``joining``: the prompt
+        lengths its order inserts), when it is not the current one (None)."""
+        step = self.pace.most
+        if self.prefilling or joining:
+            step = self.pace.step(self.decoding())
+            if step == self.pace.most and self.stages > 1:  # nothing decodes: overlap stages
+                longest = max([*joining, *(total for _, total in self.prefilling.values())])
+                step = min(step, prefill_step(longest, self.stages))
+        return None if step == self.generator.prefill_step_size else step
+
+    def steps_this_round(self) -> int:
+        """Generator steps in this round (the same on every rank: they hold the same state)."""
+        if not self.prefilling:
+            return ROUND_STEPS
+        if self.decoding() or self.stages == 1:
+            return 1
+        budget = max(self.pace.most, PREFILL_STEP) * self.stages  # about one full step's time
+        return max(1, budget // self.generator.prefill_step_size)
+
+    def apply(self, order: Order) -> list[tuple[int | None, int, str | None]]:
+        """Insert ``order.insert`` and drop ``order.remove``; returns (uid, prompt tokens
+        taken from the cache, None) for each new request, in order, or (None, 0, why) for one
+        whose settings failed (on every rank alike)."""
+        if order.prefill_step is not None:
+            self.generator.prefill_step_size = order.prefill_step
+        self.from_disk = {}
+        joined = []
+        for r in order.insert:
+            try:
+                chosen, chain = tried(r, self.vocab)
+            except RequestFailed as e:
+                joined.append((None, 0, str(e)))
+                continue
+            scope = cache_scope(r.cache_key)
+            cache, rest, from_disk = self.nearest(r.tokens, scope)
+            (uid,) = self.generator.insert(
+                [rest],
+                max_tokens=[r.sampling.max_tokens],
+                caches=[cache],
+                all_tokens=[r.tokens[: len(r.tokens) - len(rest)]],
+                samplers=[chosen],
+                logits_processors=[chain],
+            )
+            joined.append((uid, len(r.tokens) - len(rest), None))
+            self.scopes[uid] = scope
+            if from_disk:
+                self.from_disk[uid] = from_disk
+            self.prefilling[uid] = (0, len(rest))
+        self.live.update(uid for uid, _, _ in joined if uid is not None)
+        gone = [u for u in order.remove if u in self.live]
+        if gone:
+            self.generator.remove(gone)
+            self.live.difference_update(gone)
+            for uid in gone:
+                self.prefilling.pop(uid, None)
+                self.scopes.pop(uid, None)
+        return joined
+
+    def nearest(self, tokens: list[int], scope: str = MODEL_KEY) -> tuple:
+        """The cache of the longest cached prefix of ``tokens`` (in memory, else on disk),
+        the tokens after it and how many of those before it were read from disk; at least the
+        last token is left to run, as the generator needs one. Every rank alike: the memory
+        caches are the same everywhere, and the disk's answer is agreed."""
+        cache, rest = self.in_memory(tokens, scope)
+        if self.disk is not None and len(rest) - 1 >= BLOCK_TOKENS and scope == MODEL_KEY:
+            worth = worth_reading(self.disk.stats, self.pace.rate)
+            from_disk, n = self.disk.restore(self.model, tokens, worth)
+            if n > len(tokens) - len(rest):
+                return from_disk, tokens[n:], n
+        return cache, rest, 0
+
+    def in_memory(self, tokens: list[int], scope: str = MODEL_KEY) -> tuple:
+        if self.prompt_cache is None:
+            return None, tokens
+        cache, rest = self.prompt_cache.fetch_nearest_cache(scope, tokens)
+        if cache is not None and not rest:  # the whole prompt is cached: run its last token
+            if not can_trim_prompt_cache(cache):
+                return None, tokens
+            trim_prompt_cache(cache, 1)
+            rest = tokens[-1:]
+        return cache, rest
+
+    def keep(self, response) -> None:
+        """A finished answer's cache, under the tokens it holds (every rank alike), and its
+        blocks to the disk tier (written by its thread)."""
+        scope = self.scopes.pop(response.uid, MODEL_KEY)
+        if self.disk is not None and response.prompt_cache is not None and scope == MODEL_KEY:
+            self.disk.save(list(response.all_tokens), response.prompt_cache)
+        if self.prompt_cache is not None and response.prompt_cache is not None:
+            self.prompt_cache.insert_cache(scope, list(response.all_tokens), response.prompt_cache)
+            self.kept += 1
+
+    def fit_bytes(self) -> None:
+        """Every rank drops its least recently used cache while any rank is over its bytes
+        (one all_sum per entry dropped, and one to agree there is nothing to drop)."""
+        import mlx.core as mx
+
+        while self.kept and len(self.prompt_cache):
+            over = self.prompt_cache.nbytes > self.cache_bytes
+            if self.group is not None and self.group.size() > 1:
+                flag = mx.array(1.0 if over else 0.0)
+                total = mx.distributed.all_sum(flag, group=self.group, stream=control_stream())
+                over = total.item() > 0
+            if not over:
+                break
+            self.prompt_cache.trim_to(n_sequences=len(self.prompt_cache) - 1)
+        self.kept = 0
+
+    def round(self, on_token: Callable | None) -> None:
+        """Step the generator ``steps_this_round`` times (fewer once nothing is left);
+        ``on_token`` (rank 0) gets every generated token's response. Ends with no step in
+        flight, so the next collective on another stream cannot interleave with the
+        generator's."""
+        for _ in range(self.steps_this_round()):
+            if not self.live:
+                break
+            with self.generator.stats() as work:
+                prompts, responses = self.generator.next()
+            self.pace.measured(work.prompt_tokens, work.prompt_time)
+            for p in prompts:
+                if p.end_of_prompt:
+                    self.prefilling.pop(p.uid, None)
+                elif p.uid in self.prefilling:
+                    self.prefilling[p.uid] = p.progress
+            for r in responses:
+                if r.finish_reason is not None:
+                    self.live.discard(r.uid)
+                    self.keep(r)
+                if on_token is not None:
+                    on_token(r)
+        mx.synchronize(generation_stream)
+        if self.kept:
+            self.fit_bytes()
+
+    def close(self) -> None:
+        self.generator.close()

@@ -1,0 +1,160 @@
+"""The rank side of ``mlx-cluster bench``: timed runs of a synthetic prompt, in lockstep.
+
+Every rank runs the same generations through the same code as ``launch`` (node.decode.loop), so
+what is timed is what users get. Rank 0 reports each run; every rank reports the collectives
+one decode step of its shard calls; rank 0 also times an all_sum of one token's activations.
+The prompt is built as ``mlx_lm.benchmark`` builds its own (seed 0, uniform ids), so the
+mlx-lm baseline decodes the very same tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from cluster.core.protocol import BenchComm, BenchRun, FirstToken, Phase
+from cluster.core.spec import Sampling, SharedRequest
+from node.decode.loop import draft_counts, stream, token_stream
+from node.decode.sampling import seeded
+from node.decode.text import AnswerText
+from node.jobs import Job
+
+COLLECTIVES = ("all_sum", "all_gather", "all_max", "all_min", "send", "recv", "recv_like")
+ALLSUM_WARMUP = 5
+ALLSUM_SAMPLES = 50
+
+
+def synthetic_prompt(vocab_size: int, n: int) -> list[int]:
+    """``n`` token ids, as mlx_lm.benchmark draws them (the same ids on every rank)."""
+    mx.random.seed(0)
+    return mx.random.randint(0, vocab_size, (1, n)).tolist()[0]
+
+
+class Clock:
+    """Times a response stream: when it started, its first response, its last one."""
+
+    def __init__(self, responses: Iterable, on_first: Callable[[], None] | None = None):
+        self.responses = responses
+        self.on_first = on_first
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.count = 0
+
+    def __iter__(self) -> Iterator:
+        for response in self.responses:
+            now = time.perf_counter()
+            if self.first is None:
+                self.first = now
+                if self.on_first is not None:
+                    self.on_first()
+            self.last = now
+            self.count += 1
+            yield response
+
+
+def run_figures(clock: Clock, prompt_tokens: int) -> dict:
+    """One run's numbers; generation tok/s counts the n-1 tokens after the first."""
+    ttft = clock.first - clock.start
+    decode_s = clock.last - clock.first
+    return {
+        "ttft_s": ttft,
+        "prefill_tps": prompt_tokens / ttft,
+        "generation_tps": (clock.count - 1) / decode_s if decode_s > 0 else None,
+        "generated": clock.count,
+    }
+
+
+def count_collectives(model, token: int) -> Counter:
+    """The collectives this rank's shard calls in one decode step, counted as the graph is
+    built (every mx.distributed call goes through the module attribute at call time)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    counts: Counter = Counter()
+    originals = {name: getattr(mx.distributed, name) for name in COLLECTIVES}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    try:
+        for name, fn in originals.items():
+            setattr(mx.distributed, name, counting(name, fn))
+        logits = model(mx.array([[token]]), cache=make_prompt_cache(model))
+    finally:
+        for name, fn in originals.items():
+            setattr(mx.distributed, name, fn)
+    mx.eval(logits)
+    return counts
+
+
+def allsum_latency(group, hidden_size: int, dtype) -> dict:
+    """Median and fastest time of one all_sum of a token's hidden state, on every rank."""
+    x = mx.zeros((1, 1, hidden_size), dtype=dtype)
+    times = []
+    for i in range(ALLSUM_WARMUP + ALLSUM_SAMPLES):
+        tic = time.perf_counter()
+        mx.eval(mx.distributed.all_sum(x, group=group))
+        if i >= ALLSUM_WARMUP:
+            times.append(time.perf_counter() - tic)
+    return {
+        "allsum_bytes": x.nbytes,
+        "allsum_latency_s": statistics.median(times),
+        "allsum_latency_min_s": min(times),
+        "allsum_samples": len(times),
+    }
+
+
+def run_bench(job: Job) -> None:
+    """``warmup`` + ``repeat`` runs of the synthetic prompt; EOS cannot end a run."""
+    loaded, group, b, emit = job.loaded, job.group, job.spec.bench, job.emit
+    rank = group.rank()
+    model, tokenizer, config = loaded.model, loaded.tokenizer, loaded.config
+    tokenizer.eos_token_ids = set()  # as mlx_lm.benchmark: every run is exactly gen_tokens
+    text_config = config.get("text_config", config)
+    vocab = config.get("vocab_size") or text_config["vocab_size"]
+    prompt = synthetic_prompt(vocab, b.prompt_tokens)
+    request = SharedRequest(seeded(Sampling(max_tokens=b.gen_tokens, seed=0)), prompt)
+    runs = b.warmup + b.repeat
+    for i in range(runs):
+        emit(Phase("generating", prompt_tokens=len(prompt)))
+        first = (lambda: emit(FirstToken())) if i == 0 and rank == 0 else None
+        speculation = loaded.speculation
+        clock = Clock(token_stream(model, tokenizer, request, speculation=speculation), first)
+        answer = stream(clock, None, AnswerText([]), group, None, generation_stream)
+        if rank == 0:
+            figures = run_figures(clock, len(prompt))
+            if speculation is not None:
+                drafted, accepted = draft_counts(answer.from_draft, speculation.k, b.gen_tokens)
+                figures.update(draft_n=drafted, draft_n_accepted=accepted)
+            digest = hashlib.sha256(str(answer.tokens).encode()).hexdigest()[:16]
+            emit(BenchRun(run=i, warmup=i < b.warmup, tokens_sha=digest, **figures))
+    counts = count_collectives(model, prompt[-1])
+    comm = {"counts": dict(counts)}
+    if group.size() > 1:
+        hidden = text_config["hidden_size"]
+        comm.update(allsum_latency(group, hidden, _activation_dtype(model)))
+    emit(BenchComm(**comm))
+
+
+def _activation_dtype(model):
+    """The dtype the hidden state travels in: what the embedding gives (float16 for a model
+    quantized from float16), else the first floating parameter's."""
+    from mlx.utils import tree_flatten
+
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if embed is not None:
+        return embed(mx.array([[0]])).dtype
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
+    return mx.float32

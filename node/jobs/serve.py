@@ -1,0 +1,664 @@
+"""`mlx-cluster serve`, the ranks' side: rank 0 schedules, every rank decodes in lockstep.
+
+The HTTP API lives in the launcher (cluster/serve/http.py), so that it outlives the ranks. The
+launcher sends rank 0 each request as one JSON line on its channel (stdin, through
+node.rank.watchdog's watcher): ``{"op": "request", ...}`` (a cluster.core.spec.ServeRequest) or
+``{"op": "cancel", "id": ...}``; END_OF_INPUT asks for a drain. Rank 0 answers with events:
+``Piece`` (the next text of a request, in its channel: reasoning or content), ``ToolCall`` (a
+tool call parsed from it, node.decode.parts), ``Stats`` (its end, with its id), ``Counted`` (the
+prompt tokens of a request that only counts them) and ``Refused`` (a request it cannot take:
+a template that does not render).
+
+Rank 0's main thread turns requests into prompt tokens and, once a round, shares an order with
+the other ranks (share_object, plain JSON: nothing from the network is ever unpickled): which
+requests join the batch, which leave it. Every rank applies it to the same mlx-lm
+BatchGenerator (node/batch.py), so all decode the batch in lockstep; between requests the
+other ranks wait in share_object, and an idle rank 0 meets them every PING_S.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from cluster.core.modelcheck import model_id
+from cluster.core.protocol import END_OF_INPUT, Counted, Memory, Prefill, Refused, Serving, Stats
+from cluster.core.spec import (
+    Grammar,
+    JobSpec,
+    Order,
+    Sampling,
+    ServeRequest,
+    ServeSetup,
+    SharedRequest,
+    from_dict,
+    to_dict,
+)
+from node.decode.loop import answer_stats
+from node.decode.parts import Parts, token_logprobs
+from node.decode.sampling import RequestFailed, seeded, tried
+from node.decode.text import AnswerText, answer_text
+from node.jobs import Job
+from node.rank.watchdog import progress
+
+PING_S = 2.0  # an idle rank 0 shows every rank it is still there this often
+ORDER_BYTES = 32 << 20  # an order's requests, encoded: more wait for the next round
+MEMORY_EVERY_S = 5.0  # each rank reports its peak memory this often (the API's /metrics)
+
+
+@dataclass
+class Ticket:
+    """Rank 0's view of one request, from its line to its end."""
+
+    request: ServeRequest
+    cancel: threading.Event = field(default_factory=threading.Event)
+    parts: Parts | None = None  # its text as the API returns it (set once it is prepared)
+    shared: SharedRequest | None = None  # what every rank gets (once prepared)
+    size: int = 0  # bytes of ``shared`` as share_object sends it
+
+
+class Inbox:
+    """Rank 0's channel from the launcher, read on a thread: requests go to ``prepare`` (on a
+    thread of its own: templates and tokenization never run on the decode loop), cancels onto
+    their tickets, END_OF_INPUT (or the end of the channel) into ``draining`` once every request
+    before it is prepared."""
+
+    def __init__(self, stream: IO[bytes], log: Callable[[str], None], prepare=None,
+                 failed: Callable[[str, str], None] = lambda request, why: None):  # fmt: skip
+        self.tickets: queue.Queue[Ticket | None] = queue.Queue()  # prepared; None wakes the loop
+        self.known: dict[str, Ticket] = {}  # not yet ended, by id
+        self.draining = threading.Event()
+        self.prepared_all = threading.Event()  # every request before the drain is in ``tickets``
+        self.log = log
+        # a Ticket -> the Ticket ready to schedule, or None
+        self.prepare = prepare or (lambda ticket: ticket)
+        self.failed = failed  # (request id, why): its answer is an error (500)
+        self.lines: queue.Queue[Ticket | None] = queue.Queue()  # to prepare; None: drain
+        self.stream = stream  # held: its descriptor must stay ours while the reader reads it
+        fd = stream.fileno()
+        threading.Thread(target=self.read, args=(fd,), daemon=True, name="inbox").start()
+        threading.Thread(target=self.prepare_all, daemon=True, name="prepare").start()
+
+    def read(self, fd: int) -> None:
+        """Lines until the channel ends, in order: the requests before END_OF_INPUT are
+        served, the drain comes after them; cancels still count after it (a client that
+        leaves while the drain finishes its answer)."""
+        buffer = b""
+        try:
+            while data := os.read(fd, 65536):
+                while END_OF_INPUT in data:
+                    before, data = data.split(END_OF_INPUT, 1)
+                    self.lines_of(buffer + before, final=True)
+                    buffer = b""
+                    self.drain()
+                buffer = self.lines_of(buffer + data)
+        except OSError:
+            pass
+        self.drain()
+
+    def lines_of(self, data: bytes, final: bool = False) -> bytes:
+        *lines, rest = data.split(b"\n")
+        for line in [*lines, rest] if final else lines:
+            self.take(line)
+        return b"" if final else rest
+
+    def drain(self) -> None:
+        if not self.draining.is_set():
+            self.draining.set()
+            self.lines.put(None)
+
+    def take(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            message = json.loads(line)
+            if message.get("op") == "cancel":
+                if ticket := self.known.get(message["id"]):
+                    ticket.cancel.set()
+                return
+            request = from_dict(ServeRequest, message["request"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            self.log(f"serve: a line from the launcher that is not a request ({e}); ignored")
+            return
+        if self.draining.is_set():
+            return  # the launcher sends nothing after END_OF_INPUT
+        ticket = Ticket(request)
+        self.known[request.id] = ticket
+        self.lines.put(ticket)
+
+    def prepare_all(self) -> None:
+        while (ticket := self.lines.get()) is not None:
+            if ticket.cancel.is_set():
+                self.ended(ticket)
+                continue
+            try:
+                ready = self.prepare(ticket)
+            except Exception as e:  # a bug in preparing must not end the thread, nor the request
+                self.log(f"serve: could not prepare request {ticket.request.id}: {e!r}")
+                self.failed(ticket.request.id, f"rank 0 could not prepare it ({type(e).__name__})")
+                ready = None
+            if ready is None:
+                self.ended(ticket)
+            else:
+                self.tickets.put(ready)
+        self.prepared_all.set()
+        self.tickets.put(None)
+
+    def ended(self, ticket: Ticket) -> None:
+        self.known.pop(ticket.request.id, None)
+
+
+def prompt_of(request: ServeRequest, tokenizer) -> list[int]:
+    from node.decode.render import render
+
+    if request.kind in ("chat", "count"):
+        return render(tokenizer, request.messages, request.template)
+    return tokenizer.encode(request.prompt)
+
+
+class Refusal(ValueError):
+    """A request rank 0 refuses once it has its tokens (the field and the limit named)."""
+
+
+def constrained(tokenizer, r: ServeRequest, tokens: list[int]) -> Grammar:
+    """The grammar every rank decodes ``r`` under (node.decode.grammar), checked against this
+    model's tokens here, off the decode loop; Refusal naming the field otherwise."""
+    from node.decode.grammar import GrammarError, shared_grammar
+
+    try:
+        return shared_grammar(tokenizer, r.constraint, r.template.tools, tokens)
+    except GrammarError as e:
+        raise Refusal(f"'{r.constraint.source}': {e}") from None
+
+
+def needed(shared: SharedRequest) -> int:
+    """Tokens of KV cache a request may come to hold: its prompt and its answer."""
+    return len(shared.tokens) + shared.sampling.max_tokens
+
+
+def shared_size(shared: SharedRequest) -> int:
+    """Bytes of a request as share_object sends it; one that cannot be encoded, or could not
+    travel in an order, is refused here, alone, instead of failing an order on every rank."""
+    from node.rank.share import encode
+
+    try:
+        size = len(encode(to_dict(shared, raw_bytes=True)))
+    except (ValueError, TypeError, RecursionError) as e:
+        raise Refusal(f"the request cannot be passed to the other ranks ({e})") from None
+    if size > ORDER_BYTES:
+        raise Refusal(f"the request is {size} bytes as the ranks get it, over {ORDER_BYTES}")
+    return size
+
+
+@dataclass
+class Admission:
+    """What rank 0 checks of a request once its prompt is tokens: the prompt against the
+    model's context and the server's limit, max_tokens lowered to what the context leaves,
+    top_k at or past the vocabulary meaning "off", logit_bias ids inside the vocabulary."""
+
+    vocab: int | None
+    context: int | None
+    max_prompt_tokens: int | None
+    kv_room: int | None = None  # tokens of KV the answers under way may hold (node.serve.kv_room)
+
+    @classmethod
+    def of(cls, config: dict, settings) -> Admission:
+        from cluster.core.modelcheck import text_config
+
+        text = text_config(config)
+        return cls(
+            text.get("vocab_size") or config.get("vocab_size"),
+            text.get("max_position_embeddings") or config.get("max_position_embeddings"),
+            settings.max_prompt_tokens,
+        )
+
+    def request(self, tokens: list[int], sampling: Sampling) -> SharedRequest:
+        """What every rank gets of the request (its seed drawn), or Refusal."""
+        n = len(tokens)
+        most = self.max_prompt_tokens or self.context
+        if most and n > most:
+            whose = (
+                "this server's --max-prompt-tokens"
+                if self.max_prompt_tokens
+                else ("the model's context")
+            )
+            raise Refusal(f"the prompt is {n} tokens, over {whose} ({most})")
+        changes = {}
+        if self.context:
+            left = self.context - n
+            if left < 1:
+                raise Refusal(f"the prompt is {n} tokens and fills the model's context "
+                              f"({self.context}); nothing is left for the answer")  # fmt: skip
+            if sampling.max_tokens > left:
+                changes["max_tokens"] = left
+        if self.kv_room is not None:
+            room = self.kv_room - n
+            if room < 1:
+                raise Refusal(f"the prompt is {n} tokens; the ranks' memory holds the KV cache "
+                              f"of {self.kv_room} tokens at most")  # fmt: skip
+            if changes.get("max_tokens", sampling.max_tokens) > room:
+                changes["max_tokens"] = room
+        if self.vocab and sampling.top_k >= self.vocab:
+            changes["top_k"] = 0
+        if self.vocab and sampling.logit_bias:
+            outside = [k for k in sampling.logit_bias if int(k) >= self.vocab]
+            if outside:
+                raise Refusal(f"'logit_bias': token id {outside[0]} is outside the "
+                              f"vocabulary (0 to {self.vocab - 1})")  # fmt: skip
+        if changes:
+            sampling = dataclasses.replace(sampling, **changes)
+        return SharedRequest(seeded(sampling), tokens)
+
+
+@dataclass
+class Live:
+    """Rank 0's view of one request in the batch."""
+
+    ticket: Ticket
+    detokenizer: Any
+    text: AnswerText
+    prompt_n: int
+    inserted: float
+    cached: int = 0  # prompt tokens that came from the prompt cache
+    from_disk: int = 0  # of those, read from the disk tier
+    first: float | None = None
+    last: float | None = None
+    n: int = 0
+    need: int = 0  # tokens of KV it may come to hold: prompt and max_tokens
+
+
+class Scheduler:
+    """Rank 0's half of the lockstep batch: which requests join, which leave, and the text.
+
+    A request with a seed is decoded alone, as mlx-lm's server does: its tokens depend on the
+    random state, which a batch shares. So are all requests of a model whose caches cannot be
+    batched."""
+
+    def __init__(self, tokenizer, emit, batched: bool, drain_timeout: float, admission: Admission):
+        self.inbox: Inbox | None = None  # set by ``listen``
+        self.tokenizer = tokenizer
+        self.admission = admission
+        self.emit = emit
+        self.batched = batched
+        self.drain_timeout = drain_timeout
+        self.waiting: deque[tuple[Ticket, dict]] = deque()
+        self.inserting: list[tuple[Ticket, dict]] = []  # in the order just shared
+        self.lives: dict[int, Live] = {}
+        self.removals: list[int] = []
+        self.drain_deadline: float | None = None
+        self.reserved = 0  # tokens of KV the requests in the batch may come to hold
+
+    def listen(self, stream: IO[bytes], log: Callable[[str], None]) -> None:
+        self.inbox = Inbox(stream, log, self.prepare,
+                           lambda rid, why: self.emit(Refused(rid, 500, why)))  # fmt: skip
+
+    def piece(self, ticket: Ticket, text: str) -> None:
+        ticket.parts.feed(text)
+
+    def logprobs(self, ticket: Ticket, response) -> None:
+        """Rank 0 keeps a token's logprobs when its request asked for them."""
+        top = ticket.request.logprobs
+        if top is not None and response.logprobs is not None:
+            ticket.parts.token(
+                token_logprobs(self.tokenizer, response.token, response.logprobs, top)
+            )
+
+    def prepare(self, ticket: Ticket) -> Ticket | None:
+        """On the inbox's prepare thread: the request's tokens and its shared settings
+        (``ticket.shared``), or its refusal or count sent back (None)."""
+        r = ticket.request
+        try:
+            tokens = prompt_of(r, self.tokenizer)
+            if not tokens:
+                raise ValueError("the prompt is empty after tokenization")
+        except Exception as e:  # a template that cannot render these messages
+            self.emit(Refused(r.id, 400, f"cannot build the prompt: {e}"))
+            return None
+        if r.kind == "count":
+            self.emit(Counted(r.id, len(tokens)))
+            return None
+        try:
+            ticket.shared = self.admission.request(tokens, r.sampling)
+            if r.constraint is not None:
+                ticket.shared.grammar = constrained(self.tokenizer, r, tokens)
+            ticket.shared.cache_key = r.cache_key
+            ticket.size = shared_size(ticket.shared)
+        except Refusal as e:
+            self.emit(Refused(r.id, 400, str(e)))
+            return None
+        ticket.parts = Parts(r.id, self.tokenizer, r.template.tools, r.kind == "chat", self.emit)
+        return ticket
+
+    def take(self, ticket: Ticket | None) -> None:
+        """A prepared request into the waiting line."""
+        if ticket is None:  # a wake-up (drain)
+            return
+        if ticket.cancel.is_set():
+            return self.inbox.ended(ticket)
+        self.waiting.append((ticket, ticket.shared))
+
+    def order(self, live: int) -> Order | None:
+        """The next order for every rank: an empty one is a ping (nothing to do, all still
+        here), None means go on as before. Blocks while there is nothing to do."""
+        inbox = self.inbox
+        if not live and not self.waiting:
+            if inbox.prepared_all.is_set() and inbox.tickets.empty():
+                return Order(quit=True)
+            try:
+                self.take(inbox.tickets.get(timeout=PING_S))
+            except queue.Empty:
+                return Order()
+        while True:
+            try:
+                self.take(inbox.tickets.get_nowait())
+            except queue.Empty:
+                break
+        self.cut_drain()
+        for uid, one in list(self.lives.items()):  # a client gone while its prompt prefills
+            if one.first is None and one.ticket.cancel.is_set():
+                self.finish(uid, one, "cancelled")
+        order = Order(remove=self.removals)
+        self.removals = []
+        insert: list[SharedRequest] = []
+        size = tokens = 0
+        room = self.admission.kv_room
+        while self.waiting:
+            ticket, request = self.waiting[0]
+            if ticket.cancel.is_set():
+                self.waiting.popleft()
+                self.inbox.ended(ticket)
+                continue
+            if not self.batched or ticket.request.seeded:
+                if live or insert or order.remove:
+                    break  # alone: once the batch is empty
+                self.waiting.popleft()
+                self.inserting = [(ticket, request)]
+                return Order(single=request)
+            if insert and size + ticket.size > ORDER_BYTES:
+                break  # the rest join at the next round: one order stays far under the limit
+            need = needed(request)
+            if room is not None and (live or insert) and self.reserved + tokens + need > room:
+                break  # it waits until answers under way end and leave memory for it
+            size += ticket.size
+            tokens += need
+            insert.append(request)
+            self.inserting.append(self.waiting.popleft())
+        order.insert = insert
+        return order if insert or order.remove else None
+
+    def cut_drain(self) -> None:
+        """Draining past its deadline: what is still being decoded is cancelled."""
+        if not self.inbox.draining.is_set():
+            return
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.drain_timeout
+        if time.monotonic() < self.drain_deadline:
+            return
+        for uid, one in list(self.lives.items()):
+            self.finish(uid, one, "cancelled")
+        for ticket, _ in self.waiting:
+            self.emit(Refused(ticket.request.id, 503, "the server is shutting down"))
+        self.waiting.clear()
+
+    def bind(self, joined: list[tuple[int | None, int, str | None]],
+             from_disk: dict[int, int] | None = None) -> None:  # fmt: skip
+        """The requests just inserted: (uid, prompt tokens taken from the cache, why it
+        failed), in order; ``from_disk``: uid -> of those, read from disk. One that failed on
+        the ranks is answered with a 500 alone."""
+        now = time.perf_counter()
+        for (uid, cached, failed), (ticket, request) in zip(joined, self.inserting, strict=True):
+            if failed is not None:
+                self.failed(ticket, failed)
+                continue
+            text = answer_text(self.tokenizer, request)
+            if text.opening:
+                self.piece(ticket, text.start())
+            self.lives[uid] = Live(ticket, self.tokenizer.detokenizer, text,
+                                   len(request.tokens), now, cached,
+                                   (from_disk or {}).get(uid, 0), need=needed(request))  # fmt: skip
+            self.reserved += self.lives[uid].need
+        self.inserting = []
+
+    def prefill_progress(self, prefilling: dict[int, tuple[int, int]]) -> None:
+        """How far each request being prefilled has come (/health shows it)."""
+        for uid, (done, total) in prefilling.items():
+            one = self.lives.get(uid)
+            if one is not None and done:
+                self.emit(Prefill(done + one.cached, total + one.cached, one.ticket.request.id))
+
+    def failed(self, ticket: Ticket, why: str) -> None:
+        self.emit(Refused(ticket.request.id, 500, f"the request failed on the ranks ({why}); "
+                                               "the server goes on"))  # fmt: skip
+        self.inbox.ended(ticket)
+
+    def on_token(self, r) -> None:
+        """One generated token of one request: its text to the client, its end if it ends."""
+        one = self.lives.get(r.uid)
+        if one is None:
+            return
+        now = time.perf_counter()
+        one.first = one.first or now
+        one.last, one.n = now, one.n + 1
+        self.logprobs(one.ticket, r)
+        if r.finish_reason != "stop":  # an end-of-sequence token has no text
+            one.detokenizer.add_token(r.token)
+        if r.finish_reason is not None:
+            one.detokenizer.finalize()
+        shown, hit = one.text.feed(one.detokenizer.last_segment)
+        self.piece(one.ticket, shown)
+        if hit:
+            self.finish(r.uid, one, "stop")
+        elif r.finish_reason is not None:
+            self.piece(one.ticket, one.text.finish())
+            self.finish(r.uid, one, r.finish_reason, ended=True)
+        elif one.ticket.cancel.is_set():
+            self.finish(r.uid, one, "cancelled")
+
+    def finish(self, uid: int, one: Live, reason: str, ended: bool = False) -> None:
+        """The request's answer is complete; unless the generator ended it, every rank drops
+        it at the next order."""
+        del self.lives[uid]
+        self.reserved -= one.need
+        if not ended:
+            self.removals.append(uid)
+        decode_s = (one.last - one.first) if one.last and one.first else 0.0
+        stats = answer_stats(
+            one.prompt_n,
+            one.prompt_n / (one.first - one.inserted) if one.first else 0.0,
+            one.n,
+            (one.n - 1) / decode_s if decode_s > 0 else 0.0,
+            one.n,
+            reason,
+            (one.first - one.inserted) if one.first else None,
+            one.cached,
+            one.text.stop.hit,
+            one.from_disk,
+        )
+        self.answered(one.ticket, stats)
+
+    def answered(self, ticket: Ticket, stats: dict) -> None:
+        """The end of an answer: what its parts still hold, then its stats (a tool call
+        that ended the answer makes it finish with "tool_calls", as OpenAI's do)."""
+        if ticket.parts.finish() and stats["finish_reason"] == "stop":
+            stats = {**stats, "finish_reason": "tool_calls"}
+        self.emit(Stats(**stats, request=ticket.request.id))
+        self.inbox.ended(ticket)
+
+
+def cache_budget(gb: float | None, left: float) -> tuple[float, float]:
+    """(bytes this rank's kept caches may take, bytes its answers under way may take), of
+    ``left`` (node.memory.memory_left): ``gb`` as asked and the rest, else half each."""
+    if gb is not None:
+        return gb * 1e9, max(0.0, left - gb * 1e9)
+    return left / 2, left / 2
+
+
+def kv_token_bytes(config: dict, cache: list, mode: str, world: int) -> int | None:
+    """Bytes of KV cache one more token takes on this rank (keys and values of its own layers,
+    or its own heads), from the config; None when the config does not say. ``cache``: a
+    fresh cache list of this rank's model (other stages' slots hold no keys)."""
+    from cluster.core.modelcheck import text_config
+    from node.model.stage import SkippedCache
+
+    text = text_config(config)
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    kv = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (hidden // heads if heads and hidden else None)
+    if text.get("kv_lora_rank"):  # MLA (DeepSeek): the latent and the rope part, not split
+        per_layer = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)
+    elif kv and head_dim:
+        per_layer = 2 * int(kv) * int(head_dim)
+        if mode == "tensor":
+            per_layer = -(-per_layer // world)
+    else:
+        return None
+    layers = sum(1 for c in cache if not isinstance(c, SkippedCache) and hasattr(c, "keys"))
+    if not layers:
+        return None
+    itemsize = 4 if str(text.get("torch_dtype", "")).endswith("float32") else 2
+    return layers * per_layer * itemsize
+
+
+def kv_room(loaded, spec: JobSpec, live_bytes: float, group) -> int | None:
+    """Every rank at once: the tokens of KV cache the answers under way may hold on every
+    rank (the smallest room over the ranks); None when a rank cannot tell (its config does
+    not say), and then nothing is admitted by memory."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from node.jobs.diskcache import agree_min
+
+    per_token = kv_token_bytes(
+        loaded.config, make_prompt_cache(loaded.model), spec.mode, spec.world_size
+    )
+    room = int(min(live_bytes / per_token, 2**31 - 1)) if per_token else -1
+    room = agree_min(room, group)
+    return None if room < 0 else room
+
+
+def run_serve(job: Job) -> None:
+    """Every rank's loop: rank 0 says what to do each round, every rank does it; returns once
+    rank 0 says quit (a drain ended)."""
+    loaded, group, spec, emit, log, disk = (job.loaded, job.group, job.spec, job.emit, job.log,
+                                            job.disk)  # fmt: skip
+    import mlx.core as mx
+
+    from node.decode.loop import generate
+    from node.decode.prefill import PREFILL_STEP
+    from node.jobs.batch import Lockstep, batchable
+    from node.rank.memory import memory_left
+    from node.rank.share import share_order, share_typed
+    from node.rank.watchdog import launcher_input
+
+    rank0 = group.rank() == 0
+    options = spec.serve  # rank 0's; the others get what they need in ``setup``
+
+    def setup() -> ServeSetup:
+        return ServeSetup(secrets.randbits(31), options.decode_concurrency,
+                          options.prompt_concurrency, spec.prefill_step or PREFILL_STEP,
+                          options.prompt_cache_size, spec.prompt_cache_gb)  # fmt: skip
+
+    agreed = share_typed(ServeSetup, setup if rank0 else None, group, "start serving")
+    mx.random.seed(agreed.seed)
+    batched = batchable(loaded.model)
+    vocab = Admission.of(loaded.config, options).vocab or loaded.tokenizer.vocab_size
+    cache_bytes, live_bytes = cache_budget(agreed.cache_gb, memory_left(spec.ranks_on_host))
+    room = kv_room(loaded, spec, live_bytes, group)
+    if batched:
+        log(f"serve: kept answers' caches take at most {cache_bytes / 1e9:.1f} GB on this rank")
+    if room is not None and rank0:
+        log(f"serve: answers under way may hold {room} tokens of KV cache (every rank has room)")
+    batch = (
+        Lockstep(
+            loaded.model,
+            loaded.tokenizer,
+            agreed.decode_concurrency,
+            agreed.prompt_concurrency,
+            agreed.prompt_cache_size,
+            cache_bytes,
+            group,
+            vocab,
+            agreed.prefill_step,
+            options.max_stall,  # rank 0's pace decides; the others follow its orders
+            spec.world_size if spec.mode == "pipeline" else 1,
+            disk,
+        )
+        if batched
+        else None
+    )
+    scheduler = None
+    if rank0:
+        admission = Admission.of(loaded.config, options)
+        admission.kv_room = room
+        scheduler = Scheduler(loaded.tokenizer, emit, batched, options.drain_timeout, admission)
+        scheduler.listen(launcher_input(), log)
+        emit(Serving(model_id(spec.model), batched))
+    live = 0
+    memory_at = 0.0
+    while True:
+        progress.tick()  # a round, or an idle ping every PING_S: all ranks met
+        if time.monotonic() - memory_at > MEMORY_EVERY_S:
+            memory_at = time.monotonic()
+            io = (None, None) if disk is None else (disk.stats.bytes_read, disk.stats.bytes_written)
+            emit(Memory(mx.get_peak_memory() / 1e9, *io))
+        order = scheduler.order(live) if rank0 else None
+        if rank0 and batch is not None:
+            joining = [len(r.tokens) for r in order.insert] if order is not None else []
+            step = batch.next_prefill_step(joining)
+            if step is not None:
+                order = order or Order()
+                order.prefill_step = step
+        order = share_order(order, group)
+        if order is not None:
+            if order.quit:
+                break
+            if order.single is not None:
+                ticket = scheduler.inserting[0][0] if rank0 else None
+                try:
+                    tried(order.single, vocab)
+                except RequestFailed as e:  # on every rank alike
+                    if rank0:
+                        scheduler.inserting = []
+                        scheduler.failed(ticket, str(e))
+                    continue
+                answer = generate(
+                    loaded.model,
+                    loaded.tokenizer,
+                    order.single,
+                    functools.partial(scheduler.piece, ticket) if rank0 else None,
+                    group,
+                    cancelled=ticket.cancel.is_set if rank0 else None,
+                    cancellable=True,
+                    on_response=functools.partial(scheduler.logprobs, ticket) if rank0 else None,
+                    speculation=loaded.speculation,
+                    on_prefill=(
+                        lambda d, t, r=ticket: emit(Prefill(d, t, r.request.id)) if d else None
+                    )
+                    if rank0
+                    else None,
+                )
+                if rank0:
+                    scheduler.inserting = []
+                    scheduler.answered(ticket, answer.stats)
+                continue
+            joined = batch.apply(order)
+            if rank0:
+                scheduler.bind(joined, batch.from_disk)
+        if batch is not None:
+            batch.round(scheduler.on_token if rank0 else None)
+            live = len(batch.live)
+            if rank0:
+                scheduler.prefill_progress(batch.prefilling)
+    if batch is not None:
+        batch.close()
+    if disk is not None:
+        disk.flush()  # what the last answers left to write, before the ranks end

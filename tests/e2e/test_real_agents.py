@@ -1,0 +1,163 @@
+"""The real agents against a live 2-rank serve, in each mode: Claude Code (``claude -p``) and
+Codex CLI (``codex exec``), the releases from the npm registry that .ci/run installs (skipped,
+saying so, where they are missing). Each answers a one-shot question, and does a turn whose
+output is a tool call: the agent runs its own shell tool and sends the result back, and the
+next turn answers from it. The model is tests/agentmodel.py (it calls each agent's own shell
+tool). Consecutive Claude-Code-shaped turns share their prompt's start in the prompt cache,
+its billing line dropped."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.support.agentmodel import ANSWER, COMMAND, OUTPUT, PRINTED, QUESTION, RUN
+from tests.support.processes import ROOT
+from tests.support.serving import Served
+
+AGENTS_DIR = Path(
+    os.environ.get("MLX_CLUSTER_AGENTS", Path.home() / ".cache" / "mlx-cluster-agents")
+)
+BIN = AGENTS_DIR / "node_modules" / ".bin"
+QUIET = {  # no telemetry, update check or other traffic: the rig has no internet
+    "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "NO_COLOR": "1",
+}  # fmt: skip
+
+
+def agent(name: str) -> str:
+    path = BIN / name
+    if not path.exists():
+        pytest.skip(f"{name} is not installed in {BIN} (.ci/run installs it with npm: "
+                    "npm install --prefix ~/.cache/mlx-cluster-agents "
+                    "@anthropic-ai/claude-code @openai/codex)")  # fmt: skip
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def agent_model(tmp_path_factory):
+    """Trained in a subprocess, with OpenBLAS as ranks have it (seconds, not a minute)."""
+    from cluster.core.blas import blas_env
+
+    out = tmp_path_factory.mktemp("agentmodel") / "am"
+    env = {**os.environ}
+    env.update(blas_env("auto", 1, env, sys.platform, os.cpu_count()) or {})
+    subprocess.run([sys.executable, "-m", "tests.support.agentmodel", str(out)], env=env,
+                   check=True, timeout=600, cwd=ROOT)  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module", params=["pipeline", "tensor"])
+def served(request, agent_model):
+    server = Served(agent_model, "--mode", request.param)
+    yield server
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health").read())
+    assert health["restarts"] == 0, health
+    assert server.stop() == 0
+    assert not any(" 400 " in line or "Traceback" in line for line in server.log)
+
+
+@pytest.fixture(autouse=True)
+def no_stray_ranks():  # the server's ranks live for the module; checked when it stops
+    yield
+
+
+def claude(served, tmp_path, *args: str) -> dict:
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    url = f"http://127.0.0.1:{served.port}"
+    env = {**os.environ, **QUIET, "HOME": str(home), "ANTHROPIC_API_KEY": "none",
+           "ANTHROPIC_BASE_URL": url, "ANTHROPIC_MODEL": "am"}  # fmt: skip
+    p = subprocess.run([agent("claude"), "-p", *args, "--output-format", "json"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=300)  # fmt: skip
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    result = json.loads(p.stdout)
+    assert not result["is_error"] and result["api_error_status"] is None, result
+    return result
+
+
+def codex(served, tmp_path, prompt: str) -> str:
+    home = tmp_path / "codex-home"
+    home.mkdir(exist_ok=True)
+    (home / "config.toml").write_text(
+        'model = "am"\nmodel_provider = "local"\n\n[model_providers.local]\nname = "local"\n'
+        f'base_url = "http://127.0.0.1:{served.port}/v1"\nwire_api = "responses"\n'
+        'env_key = "LOCAL_KEY"\n'
+    )
+    env = {**os.environ, **QUIET, "HOME": str(tmp_path), "CODEX_HOME": str(home),
+           "LOCAL_KEY": "none"}  # fmt: skip
+    p = subprocess.run(
+        [agent("codex"), "exec", "--skip-git-repo-check",
+         "--dangerously-bypass-approvals-and-sandbox", "--output-last-message",
+         str(tmp_path / "last.txt"), prompt],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    assert "ERROR" not in p.stdout + p.stderr, p.stdout + p.stderr
+    return (tmp_path / "last.txt").read_text().strip()
+
+
+def test_claude_code_answers_a_one_shot_prompt(served, tmp_path):
+    result = claude(served, tmp_path, QUESTION)
+    assert result["result"] == ANSWER and result["num_turns"] == 1, result
+
+
+def test_claude_code_runs_the_tool_the_model_calls_and_answers_from_it(served, tmp_path):
+    result = claude(served, tmp_path, RUN, "--allowedTools", "Bash(echo:*)")
+    assert result["num_turns"] == 2, result  # the call, then the answer from its output
+    assert result["result"] == PRINTED, result
+    assert result["permission_denials"] == [], result
+
+
+def test_codex_answers_a_one_shot_prompt(served, tmp_path):
+    assert codex(served, tmp_path, QUESTION) == ANSWER
+
+
+def test_codex_runs_the_tool_the_model_calls_and_answers_from_it(served, tmp_path):
+    assert codex(served, tmp_path, RUN) == PRINTED
+    assert shutil.which("bash")  # what Codex ran the command with
+    assert COMMAND.endswith(OUTPUT)
+
+
+def test_claude_code_shaped_turns_share_their_prompt_in_the_cache(models):
+    """Two turns as Claude Code sends them (a billing line first in ``system``, new each
+    request, then a long system prompt; the second turn repeats the first and adds to it), on a
+    model whose template renders the system prompt: the second reads >= 90% of the first's
+    prompt from the prompt cache (it read 48 of 612 with the billing line kept)."""
+    anthropic = pytest.importorskip("anthropic")
+    server = Served(models["qwen2"])
+    try:
+        client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="x",
+                                     max_retries=0)  # fmt: skip
+        guide = " ".join(f"Rule {i}: answer briefly and cite the file you read." for i in range(40))
+
+        def turn(n: int, messages: list) -> object:
+            billing = (f"x-anthropic-billing-header: cc_version=2.1.332; cc_entrypoint=cli; "
+                       f"cch={n:05x}{os.urandom(4).hex()};")  # fmt: skip
+            system = [
+                {"type": "text", "text": billing},
+                {"type": "text", "text": guide, "cache_control": {"type": "ephemeral"}},
+            ]
+            return client.messages.create(model="qwen2", max_tokens=8, system=system,
+                                          messages=messages,
+                                          extra_body={"temperature": 0})  # fmt: skip
+
+        first = [{"role": "user", "content": "Tell me about lists"}]
+        one = turn(1, first)
+        prompt_one = one.usage.input_tokens + one.usage.cache_read_input_tokens
+        assert prompt_one > 300, one.usage
+        second = [*first, {"role": "assistant", "content": one.content[0].text},
+                  {"role": "user", "content": "And tuples?"}]  # fmt: skip
+        two = turn(2, second)
+        print(f"\nsecond turn: {two.usage.cache_read_input_tokens} of the first turn's "
+              f"{prompt_one} prompt tokens from the cache")  # fmt: skip
+        assert two.usage.cache_read_input_tokens >= 0.9 * prompt_one, (one.usage, two.usage)
+    finally:
+        assert server.stop() == 0

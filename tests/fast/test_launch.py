@@ -1,0 +1,140 @@
+"""`mlx-cluster launch` end to end: real rank processes over the ring backend on loopback."""
+
+import socket
+
+import pytest
+
+from tests.support.processes import invoke, run_cli
+
+PROMPT = "Tell me about lists"
+
+
+def test_missing_hostfile(tmp_path):
+    p = invoke("launch", "--hostfile", tmp_path / "nope.yaml", PROMPT)
+    assert p.returncode == 2
+    assert "nope.yaml: hostfile not found" in p.stderr
+
+
+def test_malformed_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hosts: [ {ssh: a\n")
+    p = invoke("launch", "--hostfile", bad, PROMPT)
+    assert p.returncode == 2
+    assert "bad.yaml: not valid YAML" in p.stderr
+
+
+def test_bad_host_field_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hosts:\n  - ssh: localhost\n  - ssh: studio-2.local\n    slots: zero\n")
+    p = invoke("launch", "--hostfile", bad, PROMPT)
+    assert p.returncode == 2
+    assert "bad.yaml: host 1 (studio-2.local): field 'slots'" in p.stderr
+
+
+def test_unknown_backend(tmp_path):
+    p = invoke("launch", "--backend", "mpi", PROMPT)
+    assert p.returncode == 2
+    assert "'mpi' is not one of 'ring', 'jaccl', 'jaccl-ring', 'nccl'" in p.stderr
+    hf = tmp_path / "h.yaml"
+    hf.write_text("backend: mpi\nhosts: [localhost]\n")
+    p = invoke("launch", "--hostfile", hf, PROMPT)
+    assert p.returncode == 2
+    assert "field 'backend': unknown backend 'mpi'; use one of ring, jaccl, jaccl-ring, nccl" in (
+        p.stderr
+    )
+
+
+def test_jaccl_needs_one_rank_per_host_and_rdma(tmp_path):
+    p = invoke("launch", "--backend", "jaccl", PROMPT)
+    assert p.returncode == 2
+    assert "field 'slots': jaccl runs one rank per host" in p.stderr
+    hf = tmp_path / "h.yaml"
+    hf.write_text("backend: jaccl-ring\nhosts: [localhost, 127.0.0.1]\n")
+    p = invoke("launch", "--hostfile", hf, PROMPT)
+    assert p.returncode == 2
+    assert "field 'rdma' is required by jaccl-ring on host 0 (localhost), host 1" in p.stderr
+
+
+def test_model_path_missing(tmp_path):
+    p = invoke("launch", "--model", tmp_path / "no-such-model", PROMPT)
+    assert p.returncode == 2
+    assert "no-such-model: no such model directory" in p.stderr
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    p = invoke("launch", "--model", tmp_path, PROMPT)
+    assert p.returncode == 2
+    assert "not an MLX/Hugging Face checkpoint (no config.json)" in p.stderr
+
+
+def test_more_ranks_than_layers(models):
+    p = invoke("launch", "-n", 7, "--model", models["llama"], PROMPT)
+    assert p.returncode == 2
+    assert "the model has 6 layers but 7 ranks were asked for" in p.stderr
+
+
+def test_more_ranks_than_heads(models):
+    p = invoke("launch", "-n", 13, "--mode", "tensor", "--model", models["qwen2"], PROMPT)
+    assert p.returncode == 2
+    assert "num_attention_heads=12 is fewer than 13 ranks; use at most 12 ranks" in p.stderr
+    assert "starting" not in p.stderr  # refused before any rank starts
+
+
+def test_port_already_taken(models):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = invoke("launch", "--starting-port", port, "--model", models["llama"], PROMPT)
+    assert p.returncode == 2
+    assert f"port {port} on 127.0.0.1 (rank 0, host 0 (localhost)) is already in use" in p.stderr
+
+
+def test_empty_prompt():
+    p = invoke("launch", input="  \n")
+    assert p.returncode == 2
+    assert "the prompt is empty" in p.stderr
+
+
+def test_help_explains_options():
+    p = invoke("launch", "--help")
+    assert p.returncode == 0
+    for option in (
+        "--hostfile",
+        "--num-ranks",
+        "--model",
+        "--mode",
+        "--backend",
+        "--max-tokens",
+        "--temp",
+        "--seed",
+        "--verbose",
+    ):
+        assert option in p.stdout
+
+
+@pytest.mark.parametrize(
+    "split, message",
+    [
+        ("3,2", "--split 3,2 sums to 5 but the model has 6 layers"),
+        ("6,0", "--split 6,0: every rank needs at least one layer"),
+        ("6", "--split 6 has 1 entries for 2 ranks"),
+    ],
+)
+def test_bad_split(models, split, message):
+    p = invoke("launch", "--split", split, "--model", models["llama"], PROMPT)
+    assert p.returncode == 2
+    assert message in p.stderr
+
+
+def test_kv_bits_refusals(models):
+    """A group size that does not divide the head dimension: named before any rank starts.
+    serve: refused, with the reason (mlx-lm's batching takes full-precision caches only)."""
+    p = run_cli("launch", "--model", models["llama"], "--kv-bits", 4, "hi")
+    assert p.returncode == 2
+    assert "--kv-group-size 64 does not divide the model's head dimension 8" in p.stderr
+    assert "run without --kv-bits" in p.stderr and "starting" not in p.stderr
+    p = run_cli("serve", "--model", models["llama"], "--kv-bits", 8)
+    assert p.returncode == 2
+    assert "serve decodes its requests as one batch" in p.stderr and "chat" in p.stderr
