@@ -253,7 +253,7 @@ def read_regex(ctx, param, pattern: str | None) -> str | None:
         raise click.BadParameter(str(e)) from None
 
 
-CONSTRAIN = {  # Request.constraint
+CONSTRAIN = {  # JobRequest.constraint
     "json_schema": click.option(
         "--json-schema",
         type=click.Path(exists=True, dir_okay=False),

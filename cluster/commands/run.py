@@ -21,10 +21,10 @@ from cluster.commands.options import (
     with_options,
 )
 from cluster.core.spec import (
+    JobRequest,
     JobSpec,
     KVQuant,
     LaunchSettings,
-    Request,
     Sampling,
     ServeSettings,
     Template,
@@ -38,7 +38,7 @@ from cluster.job.state import JobResult
 def job_spec(command: str, values: dict, **fields) -> JobSpec:
     """The JobSpec of a command, from its keyword arguments (each dataclass takes the ones
     named like its fields)."""
-    request = Request(
+    request = JobRequest(
         prompt=valid_text(values.pop("prompt", "")),
         sampling=normalized(pick(Sampling, values)),
         template=pick(Template, values),
@@ -235,7 +235,7 @@ def serve(**values):
       ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_API_KEY=none python my_agent.py
       curl -s 127.0.0.1:8080/health; curl -s 127.0.0.1:8080/metrics
     """
-    from cluster.serve.service import serve_until_done
+    from cluster.serve.supervisor import serve_until_done
 
     hf, settings = hosts_and_launch(values)
     spec = job_spec("serve", values)

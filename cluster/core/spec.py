@@ -159,7 +159,7 @@ class Constraint:
 
 
 @dataclass
-class Request:
+class JobRequest:
     """The work of a one-shot job (launch) or the settings of every turn (chat); rank 0 only."""
 
     prompt: str = ""
@@ -510,7 +510,7 @@ class JobSpec:
         metavar="DIR",
         show_default=False,
     )
-    request: Request = field(default_factory=Request)
+    request: JobRequest = field(default_factory=JobRequest)
     serve: ServeSettings = field(default_factory=ServeSettings)
     bench: BenchSettings = field(default_factory=BenchSettings)
     draft: Draft = field(default_factory=Draft)
@@ -546,7 +546,7 @@ class JobSpec:
         """This job as one rank sees it: the request and serve settings go only to rank 0,
         and the API key to none (the launcher serves the API)."""
         if rank != 0:
-            changes.setdefault("request", Request())
+            changes.setdefault("request", JobRequest())
             changes.setdefault("serve", ServeSettings())
         changes.setdefault("serve", dataclasses.replace(self.serve, api_key=None))
         return dataclasses.replace(self, **changes)

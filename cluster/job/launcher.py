@@ -30,7 +30,6 @@ from cluster.core.modelcheck import (
     read_config,
 )
 from cluster.core.protocol import (
-    CANCEL,
     END_OF_INPUT,
     KEEPALIVE,
     KEEPALIVE_S,
@@ -46,6 +45,13 @@ from cluster.core.spec import JobSpec, LaunchSettings
 from cluster.core.tensorplan import check_mode
 from cluster.job.backends import port_in_use, rank_envs, ring_ports
 from cluster.job.process import STOP_GRACE_S, LocalRank, RankLaunch, make_job_dir, rank_python
+from cluster.job.signals import (
+    Interrupted,
+    Running,
+    policy_of,
+    restore_signals,
+    trap_for,
+)
 from cluster.job.state import (
     JobResult,
     JobState,
@@ -84,14 +90,6 @@ class JobLink(Protocol):
         """The user asked for a drain (SIGINT/SIGTERM): refuse new requests; with ``tell``,
         write END_OF_INPUT to rank 0 after every request already sent (one channel, one
         order)."""
-
-
-class Interrupted(BaseException):
-    """A signal that ends the job; a BaseException (like KeyboardInterrupt) so that no
-    ``except Exception`` on the way (a rank that fails to start) takes it for an error."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
 
 
 NCCL_PIPELINE = (
@@ -226,19 +224,6 @@ def open_ranks(
 
 
 @dataclass(frozen=True)
-class Policy:
-    """What a command does with the user's stdin and with Ctrl-C or SIGTERM."""
-
-    forward_stdin: bool = False  # chat: stdin lines are turns for rank 0
-    on_signal: str = "stop"  # "stop" the job, "cancel" the answer (chat), "drain" (serve)
-
-
-POLICIES = {
-    "chat": Policy(forward_stdin=True, on_signal="cancel"),
-    "serve": Policy(on_signal="drain"),
-}
-
-
 class RankWatch:
     """The I/O loop of one running job: starts the ranks, takes their output off the queue,
     feeds it to ``cluster.job.state`` and prints what that says."""
@@ -265,7 +250,7 @@ class RankWatch:
             [RankState(r.rank, r.host.target, host_is_local=r.host.is_local) for r in ranks],
             command=command,
         )
-        self.forward_stdin = POLICIES.get(command, Policy()).forward_stdin
+        self.forward_stdin = policy_of(command).forward_stdin
         self.events: queue.Queue = queue.Queue()
         self.wrote_newline = True
         self.drained = False  # serve: rank 0 was asked to drain (it then ends the job)
@@ -444,54 +429,12 @@ def run_job(
     clients = []
     watch: RankWatch | None = None
 
-    def tell_rank0(message: bytes, note: str) -> bool:
-        """Write ``message`` to rank 0's stdin and log ``note``; False if it cannot be told
-        (not started yet, or gone): the caller then ends the job."""
-        if watch is None:
-            return False
-        try:
-            watch.ranks[0].write_stdin(message)
-        except (OSError, ValueError, EOFError, AttributeError):
-            return False
-        log(stderr, note)
-        return True
-
-    def cancel_answer() -> bool:
-        """Chat: rank 0 ends the answer it is writing."""
-        note = f"answer cancelled; Ctrl-C again within {QUIT_WINDOW_S:g} s ends the chat"
-        return tell_rank0(CANCEL, note)
-
-    def drain() -> bool:
-        """Serve: rank 0 finishes the answers under way, then every rank quits. While the
-        ranks are still starting there is nothing to drain: the signal stops the job."""
-        ready = watch is not None and watch.state.all_ready
-        if link is not None:
-            link.draining(tell=ready)
-        if not ready:
-            return False
-        note = (
-            f"draining: finishing the answers under way (at most {spec.serve.drain_timeout:g} "
-            "s); Ctrl-C again stops now"
-        )
-        if link is not None:  # the link writes END_OF_INPUT after the requests it sent
-            log(stderr, note)
-            drained = True
-        else:
-            drained = tell_rank0(END_OF_INPUT, note)
-        if drained:
-            watch.drained = True
-        return drained
-
-    on_signal = POLICIES.get(spec.command, Policy()).on_signal
-    if on_signal == "cancel":
-        previous = trap_signals(cancel_answer)
-    elif on_signal == "drain":
-        previous = trap_signals(drain, once=True, signals=(signal.SIGINT, signal.SIGTERM))
-    else:
-        previous = trap_signals()
+    running = Running(spec, link, stderr)
+    previous = trap_for(running)
     try:
         ranks, clients = open_ranks(hostfile, launches, job_dir, launch.accept_new_host_keys)
         watch = RankWatch(ranks, spec.command, launch, stdout, stderr, started, stdin, link)
+        running.watch = watch
         what = f"{spec.mode} mode, model {spec.model}" if spec.model else "to measure the links"
         log(stderr, f"starting {len(ranks)} rank(s), {hostfile.backend} backend, {what}")
         for note in notes:
@@ -602,32 +545,3 @@ def _silence_stdout(stdout) -> None:
         pass
     finally:
         os.close(devnull)
-
-
-QUIT_WINDOW_S = 2.0  # a second Ctrl-C within this ends the chat session
-
-
-def trap_signals(cancel=None, once: bool = False, signals=(signal.SIGINT,)):
-    """SIGINT/TERM/HUP end the job (Interrupted). With ``cancel``, one of ``signals`` calls it
-    instead: in chat a Ctrl-C ends the answer and a second one within QUIT_WINDOW_S ends the
-    job; with ``once`` (serve: the drain) any later signal ends the job."""
-    last_cancel = [float("-inf")]
-
-    def handler(signum, frame):
-        now = time.monotonic()
-        fresh = now - last_cancel[0] > QUIT_WINDOW_S and not (once and last_cancel[0] > 0)
-        if cancel is not None and signum in signals and fresh:
-            last_cancel[0] = now
-            if cancel():
-                return
-        raise Interrupted(signum)
-
-    previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        previous[sig] = signal.signal(sig, handler)
-    return previous
-
-
-def restore_signals(previous) -> None:
-    for sig, h in previous.items():
-        signal.signal(sig, h)

@@ -31,15 +31,9 @@ from cluster.core.hostfile import Hostfile, HostfileError
 from cluster.core.protocol import BenchRun
 from cluster.core.spec import BenchSettings, Draft, JobSpec, KVQuant, LaunchSettings
 from cluster.job.backends import free_port_run, rank_envs
-from cluster.job.launcher import (
-    Interrupted,
-    LaunchError,
-    log,
-    restore_signals,
-    run_job,
-    trap_signals,
-)
+from cluster.job.launcher import LaunchError, log, run_job
 from cluster.job.process import STOP_GRACE_S, rank_python, write_files
+from cluster.job.signals import Interrupted, restore_signals, trap_signals
 
 OURS, MLX_LM, MLX_LAUNCH = "mlx-cluster", "mlx-lm", "mlx.launch"
 BASELINES = ("single", MLX_LM, MLX_LAUNCH)

@@ -47,7 +47,7 @@ from cluster.serve.api.shared import (
 )
 
 POLL_S = 0.5  # how often a waiting request looks whether its client is still there
-KEEPALIVE_S = 10.0  # a stream with nothing to send yet (a long prefill) says so this often
+SSE_KEEPALIVE_S = 10.0  # a stream with nothing to send yet (a long prefill) says so this often
 GONE = (BrokenPipeError, ConnectionResetError, TimeoutError, OSError)  # a client that left
 
 
@@ -69,7 +69,7 @@ class Api:
         max_body_bytes: int = 16 << 20,
         read_timeout: float = 30.0,
         max_connections: int = 256,
-        keepalive_s: float = KEEPALIVE_S,
+        keepalive_s: float = SSE_KEEPALIVE_S,
         allowed_hosts: list[str] = (),
         cors_origins: list[str] = (),
     ):
@@ -88,7 +88,9 @@ class Api:
             "/v1/messages/count_tokens": CountTokens(),
         }
         self.httpd = Server((host, port), Handler, self, max_connections)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True, name="http")
+        self.thread = threading.Thread(  # stop() waits at most a poll for the loop to see it
+            target=self.httpd.serve_forever, args=(0.1,), daemon=True, name="http"
+        )
 
     @property
     def address(self) -> tuple[str, int]:

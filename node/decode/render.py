@@ -3,7 +3,7 @@ renders them), and the request every rank decodes (its seed drawn, its grammar).
 
 from __future__ import annotations
 
-from cluster.core.spec import Request, SharedRequest, Template
+from cluster.core.spec import JobRequest, SharedRequest, Template
 from node.decode.sampling import seeded
 
 TEMPLATE_SWITCHES = ("tools", "enable_thinking", "reasoning_effort")
@@ -49,7 +49,7 @@ def fold_system(messages: list[dict]) -> list[dict]:
     return [{"role": "system", "content": text}, *(m for m in messages if m["role"] != "system")]
 
 
-def make_request(tokenizer, r: Request) -> SharedRequest:
+def make_request(tokenizer, r: JobRequest) -> SharedRequest:
     """Rank 0's work order, as every rank gets it."""
     tokens = render(tokenizer, [{"role": "user", "content": r.prompt}], r.template)
     if not tokens:
@@ -57,7 +57,7 @@ def make_request(tokenizer, r: Request) -> SharedRequest:
     return shared_request(tokenizer, r, tokens)
 
 
-def shared_request(tokenizer, r: Request, tokens: list[int]) -> SharedRequest:
+def shared_request(tokenizer, r: JobRequest, tokens: list[int]) -> SharedRequest:
     """``tokens`` with the job's settings (launch's request, chat's every turn): the seed
     drawn, the grammar of --json-schema or --regex."""
     grammar = None

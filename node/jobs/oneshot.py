@@ -8,7 +8,7 @@ import json
 
 from cluster.core.modelcheck import check_request
 from cluster.core.protocol import Phase, Prefill
-from cluster.core.spec import Request, SharedRequest
+from cluster.core.spec import JobRequest, SharedRequest
 from node.jobs import Job
 
 
@@ -51,7 +51,7 @@ def run_oneshot(job: Job) -> dict | None:
     return answer.stats
 
 
-def make_job_request(loaded, r: Request, command: str) -> SharedRequest:
+def make_job_request(loaded, r: JobRequest, command: str) -> SharedRequest:
     """Rank 0's request for this model: tokens for a text model; for a VLM, the templated
     prompt and the image bytes (every rank runs the processor on them)."""
     from node.decode.render import make_request

@@ -25,7 +25,7 @@ def test_a_forced_tool_call_is_the_model_s_markup_with_arguments_under_its_schem
     """tool_choice required / a named tool, on the tool model (json_tools markup): the call
     mlx-lm's parser reads back names the tool, with arguments the schema allows, even though
     the model was trained to think first (the grammar leaves it no room to)."""
-    from test_structured import TOOLS
+    from tests.support.toolmodel import TOOLS
 
     model, tokenizer = load(str(tool_model))
     node_grammar.use_tokenizer(tool_model, tokenizer.eos_token_ids, 512)

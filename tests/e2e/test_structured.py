@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from tests.support.serving import Served
-from tests.support.toolmodel import WEATHER_TOOL
+from tests.support.toolmodel import TIME_TOOL, TOOLS
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -36,16 +36,6 @@ class Person(pydantic.BaseModel):
     age: int = pydantic.Field(ge=0, le=120)
     pets: list[Pet] = pydantic.Field(max_length=2)
     happy: bool
-
-
-TIME_TOOL = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}},
-    "required": ["zone"], "additionalProperties": False}}}  # fmt: skip
-# the weather tool with its city bounded: a tiny model sampled at 0.9 may never end a string
-BOUNDED_WEATHER = {"type": "function", "function": {**WEATHER_TOOL["function"], "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-    "required": ["city"], "additionalProperties": False}}}  # fmt: skip
-TOOLS = [BOUNDED_WEATHER, TIME_TOOL]
 
 
 @pytest.fixture(scope="module", params=["pipeline", "tensor"])

@@ -4,15 +4,13 @@ miss and is removed; the store stays under its bound and never touches a file it
 write; it refuses a folder that is not its own; files are 0600 and folders 0700; a writer that
 fails (a full disk, any error) turns writing off and memory stays flat; two processes writing
 one folder leave only whole blocks. (Every rank agreeing, serve restarted and the plan in the
-key: tests/test_disk_prompt_cache.py.)"""
+key: tests/e2e/test_disk_prompt_cache.py.)"""
 
-import multiprocessing
 import os
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from node.jobs import diskcache
@@ -27,32 +25,13 @@ from node.jobs.diskcache import (
     weights_fingerprint,
     worth_reading,
 )
+from tests.support.kv import PLAN, SMALL, TOKENS, next_logits, prefilled, small_llama
 from tests.support.tiny import make_model
-
-PLAN = plan_key(test="plan")  # a plan folder's name, as open_disk_cache makes it
-SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "intermediate_size": 128}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = make_model(tmp_path_factory.mktemp("dc") / "m", "llama", seed=1, **SMALL)
-    m, _ = load(str(path))
-    return path, m
-
-
-def prefilled(m, tokens):
-    cache = make_prompt_cache(m)
-    logits = m(mx.array(tokens)[None], cache=cache)
-    mx.eval(logits, [c.state for c in cache])
-    return cache, logits[0, -1]
-
-
-def next_logits(m, cache, tokens):
-    return m(mx.array(tokens)[None], cache=cache)[0, -1]
-
-
-TOKENS = [3 + (i * 7) % 400 for i in range(3 * BLOCK_TOKENS + 10)]
+    return small_llama(tmp_path_factory.mktemp("dc"))
 
 
 def test_blocks_read_back_continue_the_prompt_exactly(model, tmp_path):
@@ -119,33 +98,6 @@ def test_the_folder_stays_under_its_bound_least_recently_used_first(model, tmp_p
     sizes = [f.stat().st_size for f in (tmp_path / "bounded").rglob("*.safetensors")]
     assert sum(sizes) <= 4.5 * block and len(sizes) == 4
     assert not disk.path(block_hashes(first)[0]).exists()
-
-
-def _writer(folder: str, model_dir: str, layers: list[int], offset: int) -> None:
-    m, _ = load(model_dir)
-    disk = DiskCache(Path(folder), PLAN, 1e9, layers)
-    for i in range(3):  # the same blocks as the other process, and some of its own
-        tokens = TOKENS if i % 2 == 0 else [offset + 1] * (BLOCK_TOKENS * 2 + 1)
-        disk.save(tokens, prefilled(m, tokens)[0])
-    disk.flush()
-
-
-def test_two_processes_on_one_folder_leave_only_whole_blocks(model, tmp_path):
-    path, m = model
-    layers = local_layers(make_prompt_cache(m))
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(str(tmp_path), str(path), layers, k))
-             for k in (10, 20)]  # fmt: skip
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
-    assert not list(tmp_path.rglob("*.tmp"))
-    disk = DiskCache(tmp_path, PLAN, 1e9, layers)
-    assert disk.restore(m, TOKENS)[1] == 3 * BLOCK_TOKENS
-    for k in (10, 20):
-        assert disk.restore(m, [k + 1] * (BLOCK_TOKENS * 2 + 1))[1] == 2 * BLOCK_TOKENS
 
 
 def test_the_key_covers_weights_and_plan(model, tmp_path):

@@ -13,7 +13,7 @@ from cluster.core.spec import JobSpec, Order, Sampling, ServeSettings, SharedReq
 from cluster.job.launcher import LaunchError
 from cluster.job.memory import fits
 from cluster.serve.api.shared import END, RESTART, ApiRequest, RequestError
-from cluster.serve.service import Restarts, without_hosts
+from cluster.serve.supervisor import Restarts, without_hosts
 from tests.support.processes import invoke
 from tests.support.serving import HOSTS, request, service, start_job, wait_sent
 

@@ -15,9 +15,9 @@ from cluster.core.blas import MARK, blas_env, find_openblas
 from cluster.core.hostfile import parse_hostfile
 from cluster.core.spec import (
     BenchSettings,
+    JobRequest,
     JobSpec,
     LaunchSettings,
-    Request,
     Sampling,
     ServeSettings,
     Template,
@@ -35,7 +35,7 @@ def test_spec_round_trip_with_bytes_and_nesting():
         model="/m",
         command="generate",
         split=[3, 2],
-        request=Request(
+        request=JobRequest(
             prompt="hi",
             sampling=Sampling(temp=0.7, stop=["###"], seed=5),
             template=Template(system="be brief", tools=[{"type": "function"}]),
@@ -56,11 +56,11 @@ def test_missing_fields_take_defaults_and_unknown_ones_are_refused():
 
 def test_only_rank_0_gets_the_request_and_serve_settings():
     spec = JobSpec(
-        model="m", request=Request(prompt="secret"), serve=ServeSettings(api_key="k", port=1)
+        model="m", request=JobRequest(prompt="secret"), serve=ServeSettings(api_key="k", port=1)
     )
     assert spec.for_rank(0).request.prompt == "secret"
     other = spec.for_rank(1)
-    assert other.request == Request() and other.serve == ServeSettings()
+    assert other.request == JobRequest() and other.serve == ServeSettings()
 
 
 def test_every_option_default_is_its_dataclass_default():
@@ -104,7 +104,7 @@ def test_a_sampling_option_reaches_the_rank_spec():
     )
     rank0, rank1 = (JobSpec.from_json(x.spec) for x in launches)
     assert rank0.request.sampling.frequency_penalty == 0.25 and rank0.request.prompt == "hi"
-    assert rank1.request == Request() and rank0.ranks_on_host == rank1.ranks_on_host == 2
+    assert rank1.request == JobRequest() and rank0.ranks_on_host == rank1.ranks_on_host == 2
     assert rank0.world_size == 2
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx  # noqa: E402
 
-from cluster.core.spec import Request, Sampling, SharedRequest  # noqa: E402
+from cluster.core.spec import JobRequest, Sampling, SharedRequest  # noqa: E402
 from node.decode.loop import generate  # noqa: E402
 from node.decode.vision import generate_vlm  # noqa: E402
 from node.jobs.oneshot import make_job_request  # noqa: E402
@@ -34,7 +34,7 @@ def run_cell(cell: dict, mode: str, group) -> dict | None:
     loaded = load_shard(cell["model"], mode, group)
     rank0 = group.rank() == 0
     image = Path(cell["image"]).read_bytes() if cell.get("image") else None
-    request = Request(
+    request = JobRequest(
         prompt=cell["prompt"], sampling=Sampling(max_tokens=cell["tokens"]), image=image
     )
     command = "launch" if image else "logits"

@@ -48,6 +48,15 @@ WEATHER_TOOL = {
         },
     },
 }
+# for structured outputs (tests/e2e/test_structured.py): a second tool, and the weather tool with
+# its city bounded: a tiny model sampled at 0.9 may never end a string
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}},
+    "required": ["zone"], "additionalProperties": False}}}  # fmt: skip
+BOUNDED_WEATHER = {"type": "function", "function": {**WEATHER_TOOL["function"], "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+TOOLS = [BOUNDED_WEATHER, TIME_TOOL]
 CITIES = {"Paris": 18, "Tokyo": 23, "Lima": 16, "Oslo": 4}
 CONFIG = {
     "model_type": "llama",

@@ -18,9 +18,9 @@ from cluster.core.protocol import Piece, ToolCall
 from cluster.core.spec import Constraint, Sampling, ServeRequest, Template
 from cluster.serve.api import constrain
 from cluster.serve.api.shared import (
-    KEEPALIVE,
     MAX_MESSAGES,
     MAX_PARTS,
+    SSE_KEEPALIVE,
     Answer,
     ApiRequest,
     Door,
@@ -279,7 +279,7 @@ def body_of(req: ApiRequest, obj: str, choices: list, result: dict | None) -> di
 
 class ChatStream:
     done = b"data: [DONE]\n\n"
-    keepalive = KEEPALIVE
+    keepalive = SSE_KEEPALIVE
 
     def __init__(self, req: ApiRequest):
         self.req = req
@@ -392,7 +392,7 @@ class Completions:
 
 class CompletionStream:
     done = b"data: [DONE]\n\n"
-    keepalive = KEEPALIVE
+    keepalive = SSE_KEEPALIVE
 
     def __init__(self, req: ApiRequest):
         self.req = req

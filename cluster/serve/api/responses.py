@@ -23,9 +23,9 @@ from cluster.core.spec import Sampling, ServeRequest, Template
 from cluster.serve.api import constrain
 from cluster.serve.api.openai import cache_key, text_of, tool_choice, top_logprobs
 from cluster.serve.api.shared import (
-    KEEPALIVE,
     MAX_MESSAGES,
     MAX_PARTS,
+    SSE_KEEPALIVE,
     Answer,
     ApiRequest,
     Door,
@@ -312,7 +312,7 @@ class ResponseStream:
     open when their first text arrives and close before the next item opens."""
 
     done = b""
-    keepalive = KEEPALIVE
+    keepalive = SSE_KEEPALIVE
 
     def __init__(self, req: ApiRequest):
         self.req = req

@@ -80,7 +80,7 @@ class Endpoint(Protocol):
         kept while the request lives."""
 
 
-KEEPALIVE = b": keepalive\n\n"  # an SSE comment: every client's parser skips it
+SSE_KEEPALIVE = b": keepalive\n\n"  # an SSE comment: every client's parser skips it
 
 
 class Stream(Protocol):
