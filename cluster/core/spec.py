@@ -66,8 +66,8 @@ class Sampling:
     repetition_penalty: float | None = param(
         None,
         Range(0, 10, low_open=True, meaning="1: off"),
-        "Divide the logits of tokens "
-        "generated in the last 20 by this (>1 repeats less); the prompt is not penalised.",
+        "Divide the logits of tokens generated lately (--repetition-context-size) "
+        "by this (>1 repeats less); the prompt is not penalised.",
         api="repetition_penalty",
         dialects=(OPENAI,),
         show_default=False,
@@ -75,7 +75,7 @@ class Sampling:
     presence_penalty: float | None = param(
         None,
         Range(-2, 2),
-        "Subtract this from the logits of tokens generated in the last 20 "
+        "Subtract this from the logits of tokens generated lately "
         "(OpenAI's presence_penalty); the prompt is not penalised.",
         api="presence_penalty",
         dialects=(OPENAI,),
@@ -84,11 +84,18 @@ class Sampling:
     frequency_penalty: float | None = param(
         None,
         Range(-2, 2),
-        "Subtract this times a token's count among the last 20 generated "
+        "Subtract this times a token's count among those generated lately "
         "(OpenAI's frequency_penalty); the prompt is not penalised.",
         api="frequency_penalty",
         dialects=(OPENAI,),
         show_default=False,
+    )
+    repetition_context_size: int = param(
+        20,
+        Range(1, 2**20, integer=True),
+        "Generated tokens the three penalties look back over (mlx-lm's default, 20).",
+        api="repetition_context_size",
+        dialects=(OPENAI,),
     )
     stop: list[str] = param(
         help="End the answer where this text appears (not printed); repeatable.",

@@ -21,8 +21,6 @@ from mlx_lm.sample_utils import make_sampler
 
 from cluster.core.spec import Sampling, SharedRequest
 
-PENALTY_CONTEXT = 20  # generated tokens a penalty looks back over, as mlx-lm's default
-
 
 def seeded(s: Sampling) -> Sampling:
     """The settings as every rank gets them (rank 0 only): empty stop strings dropped, a
@@ -72,10 +70,10 @@ def sampler(request: SharedRequest) -> Callable[[mx.array], mx.array]:
     )
 
 
-def _counts(tokens: mx.array, prompt_len: int, vocab: int) -> mx.array | None:
-    """How often each id came among the last PENALTY_CONTEXT generated tokens; None if none.
+def _counts(tokens: mx.array, prompt_len: int, vocab: int, context: int) -> mx.array | None:
+    """How often each id came among the last ``context`` generated tokens; None if none.
     Stays lazy: no host round trip per token."""
-    generated = tokens[prompt_len:][-PENALTY_CONTEXT:]
+    generated = tokens[prompt_len:][-context:]
     if generated.shape[0] == 0:
         return None
     valid = (generated >= 0) & (generated < vocab)
@@ -83,37 +81,37 @@ def _counts(tokens: mx.array, prompt_len: int, vocab: int) -> mx.array | None:
     return mx.zeros((vocab,)).at[ids].add(valid.astype(mx.float32))
 
 
-def _seen(tokens: mx.array, prompt_len: int, vocab: int) -> mx.array | None:
-    """1.0 at each id among the last PENALTY_CONTEXT generated tokens, else 0.0; None if none."""
-    counts = _counts(tokens, prompt_len, vocab)
+def _seen(tokens: mx.array, prompt_len: int, vocab: int, context: int) -> mx.array | None:
+    """1.0 at each id among the last ``context`` generated tokens, else 0.0; None if none."""
+    counts = _counts(tokens, prompt_len, vocab, context)
     return None if counts is None else mx.minimum(counts, 1.0)
 
 
-def frequency_penalty(penalty: float, prompt_len: int):
+def frequency_penalty(penalty: float, prompt_len: int, context: int = 20):
     """Subtract ``penalty`` times each token's count so far (OpenAI's frequency_penalty)."""
 
     def apply(tokens: mx.array, logits: mx.array) -> mx.array:
-        counts = _counts(tokens, prompt_len, logits.shape[-1])
+        counts = _counts(tokens, prompt_len, logits.shape[-1], context)
         return logits if counts is None else logits - penalty * counts.astype(logits.dtype)
 
     return apply
 
 
-def presence_penalty(penalty: float, prompt_len: int):
+def presence_penalty(penalty: float, prompt_len: int, context: int = 20):
     """Subtract ``penalty`` from each token already generated (OpenAI's presence_penalty)."""
 
     def apply(tokens: mx.array, logits: mx.array) -> mx.array:
-        seen = _seen(tokens, prompt_len, logits.shape[-1])
+        seen = _seen(tokens, prompt_len, logits.shape[-1], context)
         return logits if seen is None else logits - penalty * seen.astype(logits.dtype)
 
     return apply
 
 
-def repetition_penalty(penalty: float, prompt_len: int):
+def repetition_penalty(penalty: float, prompt_len: int, context: int = 20):
     """Make tokens already generated less likely by ``penalty`` (sign-aware, as mlx-lm)."""
 
     def apply(tokens: mx.array, logits: mx.array) -> mx.array:
-        seen = _seen(tokens, prompt_len, logits.shape[-1])
+        seen = _seen(tokens, prompt_len, logits.shape[-1], context)
         if seen is None:
             return logits
         penalized = mx.where(logits < 0, logits * penalty, logits / penalty)
@@ -139,11 +137,13 @@ def processors(request: SharedRequest, prompt_len: int) -> list:
     s = request.sampling
     chosen = [logit_bias(s.logit_bias)] if s.logit_bias else []
     if s.repetition_penalty not in (None, 1.0):
-        chosen.append(repetition_penalty(s.repetition_penalty, prompt_len))
+        chosen.append(
+            repetition_penalty(s.repetition_penalty, prompt_len, s.repetition_context_size)
+        )
     if s.presence_penalty not in (None, 0.0):
-        chosen.append(presence_penalty(s.presence_penalty, prompt_len))
+        chosen.append(presence_penalty(s.presence_penalty, prompt_len, s.repetition_context_size))
     if s.frequency_penalty not in (None, 0.0):
-        chosen.append(frequency_penalty(s.frequency_penalty, prompt_len))
+        chosen.append(frequency_penalty(s.frequency_penalty, prompt_len, s.repetition_context_size))
     if request.grammar is not None:
         from node.decode.grammar import Constrained
 

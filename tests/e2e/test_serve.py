@@ -155,7 +155,8 @@ def hostile_requests(rng) -> list[tuple[str, bytes, dict]]:
         {"seed": -1, "temperature": 0.5}, {"temperature": 0.7, "top_k": 100000},
         {"top_k": -1, "temperature": 1}, {"top_k": 0}, {"top_p": 0}, {"top_p": 1e-9},
         {"temperature": 100}, {"min_p": 1}, {"repetition_penalty": 10},
-        {"presence_penalty": -2, "frequency_penalty": 2}, {"logit_bias": {"3": 100}},
+        {"presence_penalty": -2, "frequency_penalty": 2, "repetition_context_size": 1},
+        {"logit_bias": {"3": 100}},
         {"logit_bias": {"511": -100}}, {"stop": ["x"] * 16}, {"stop": ""},
         {"seed": 2**63 - 1, "temperature": 1}, {"max_tokens": 1}, {"logprobs": True,
         "top_logprobs": 20},  # fmt: skip

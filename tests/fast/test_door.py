@@ -19,6 +19,7 @@ from cluster.serve.api.anthropic import CountTokens, Messages
 from cluster.serve.api.openai import ChatCompletions, Completions
 from cluster.serve.api.responses import Responses
 from cluster.serve.api.shared import RANGES, Door, RequestError, loads
+from tests.support.processes import ROOT
 
 DOOR = Door(frozenset({"m"}), max_tokens_cap=1000)
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -67,6 +68,7 @@ def test_every_setting_out_of_its_range_is_a_400_naming_field_and_range(endpoint
         "presence_penalty": [-2.5, 2.5],
         "frequency_penalty": [-2.5, 2.5],
         "repetition_penalty": [0, 10.5, -1],
+        "repetition_context_size": [0, 2**20 + 1, 2.5],
     }
     for name, ours in FIELDS[endpoint].items():
         for value in bad[ours]:
@@ -356,3 +358,12 @@ def test_a_request_rank_0_cannot_prepare_is_answered_not_lost():
     assert failed == [("r1", "rank 0 could not prepare it (RuntimeError)")]
     assert "r1" not in inbox.known
     os.close(w)
+
+
+def test_every_ranged_request_field_has_its_row_in_the_docs():
+    """docs/serve.md's table of limits names every field a request may set within a range
+    (the declarations in cluster.core.spec), so a new parameter is not left undocumented."""
+    table = (ROOT / "docs" / "serve.md").read_text().split("## Limits and refusals")[1]
+    for fields in FIELDS.values():
+        for name in fields:
+            assert f"`{name}`" in table, name

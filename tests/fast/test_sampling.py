@@ -3,7 +3,13 @@
 import mlx.core as mx
 
 from cluster.core.spec import Sampling, SharedRequest
-from node.decode.sampling import presence_penalty, repetition_penalty, sampler, seeded
+from node.decode.sampling import (
+    presence_penalty,
+    processors,
+    repetition_penalty,
+    sampler,
+    seeded,
+)
 from node.decode.text import StopText
 from tests.support.processes import invoke
 
@@ -79,6 +85,20 @@ def test_repetition_penalty_is_sign_aware_and_skips_the_prompt():
     tokens = mx.array([3, 0, 1, 12])  # prompt 3; generated 0, 1 and an id out of range
     out = repetition_penalty(2.0, prompt_len=1)(tokens, logits)
     assert out.tolist() == [[1.0, -4.0, 2.0, 4.0, 0, 0, 0, 0]]
+
+
+def test_the_penalties_look_back_over_the_context_size_asked():
+    """--repetition-context-size (repetition_context_size in a request): how many of the
+    latest generated tokens each penalty sees; a token generated earlier is forgiven."""
+    tokens = mx.array([7, 1, 2, 3, 4])  # prompt 7; generated 1 2 3 4
+    logits = mx.zeros((1, VOCAB))
+    request = SharedRequest(Sampling(presence_penalty=1.0, repetition_context_size=2), [7])
+    (process,) = processors(request, prompt_len=1)
+    assert process(tokens, logits).tolist() == [[0, 0, 0, -1, -1, 0, 0, 0]]
+    wide = SharedRequest(Sampling(presence_penalty=1.0), [7])  # the default, 20
+    assert processors(wide, 1)[0](tokens, logits).tolist() == [[0, -1, -1, -1, -1, 0, 0, 0]]
+    p = invoke("launch", "--repetition-context-size", "0", PROMPT)
+    assert p.returncode == 2 and "Invalid value for '--repetition-context-size'" in p.stderr
 
 
 def test_stop_text_holds_back_a_possible_start():
