@@ -75,19 +75,19 @@ def run(spec: JobSpec) -> None:
     # every rank joins at the launcher's START, together (cluster.core.protocol.START)
     if not wait_for_start(spec.launcher_timeout):
         raise RuntimeError("the launcher never said START: another rank did not get ready")
-    group = init_group(spec.world_size)
+    group = init_group(spec.world_size, spec.backend)
     write = write_text if group.rank() == 0 else None
     if spec.command == "links":  # doctor --links: the backend alone, no model
         from node.rank.links import run_links
 
         emit(Ready(0.0))
-        run_links(group, spec.hostfile_backend, emit)
+        run_links(group, spec.backend, emit)
         return
     if spec.command == "serve" and spec.measure_links and spec.world_size > 1:
         from node.rank.links import AT_START, run_links  # before the model: links idle, memory free
 
         emit(Phase("links"))
-        run_links(group, spec.hostfile_backend, emit, AT_START)
+        run_links(group, spec.backend, emit, AT_START)
     limit = apply_memory_limits()
     if limit is not None:
         what = "Metal memory and wired limits" if limit[0] == "Metal" else "CUDA memory limit"

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import click
 
 from cluster.core import grammar
-from cluster.core.hostfile import BACKENDS, Hostfile, HostfileError, load_hostfile, local_hostfile
+from cluster.core.backends import BACKENDS
+from cluster.core.hostfile import Hostfile, HostfileError, load_hostfile, local_hostfile
 from cluster.core.modelcheck import default_draft_path, default_model_path
 from cluster.core.params import Param, params
 from cluster.core.spec import (
@@ -202,10 +203,11 @@ HOST = {
     ),
     "backend": click.option(
         "--backend",
-        type=click.Choice(BACKENDS),
+        type=click.Choice(list(BACKENDS)),
         default=None,
-        help="Collective backend; default: the hostfile's, else ring. nccl: NVIDIA GPUs, one "
-        "rank per GPU, tensor mode only.",
+        help="Collective backend; default: the hostfile's, else ring. "
+        + "; ".join(f"{b.name}: {b.help}" for b in BACKENDS.values())
+        + ".",
     ),
 }
 MODEL = {

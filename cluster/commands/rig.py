@@ -9,7 +9,8 @@ from collections import Counter
 import click
 
 from cluster.commands.options import HOST, HOSTFILE, resolve_hostfile, with_options
-from cluster.core.hostfile import BACKENDS, HostfileError
+from cluster.core.backends import BACKENDS
+from cluster.core.hostfile import HostfileError
 from cluster.core.modelcheck import ModelError
 from cluster.rig.discover import apply_commands, discovered_yaml, gather, read_saved, save_outputs
 from cluster.rig.doctor import INSTALL_PROBLEMS, fmt_bytes
@@ -272,7 +273,7 @@ def hostfile_convert(hf, fmt, output):
 )
 @click.option(
     "--backend",
-    type=click.Choice(BACKENDS),
+    type=click.Choice([b.name for b in BACKENDS.values() if not b.gpus]),
     help="Default: jaccl when every pair is cabled and RDMA is on everywhere, jaccl-ring when "
     "the cables make a ring and RDMA is on, else ring (TCP over the cables).",
 )

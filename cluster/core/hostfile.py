@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-BACKENDS = ("ring", "jaccl", "jaccl-ring", "nccl")
+from cluster.core.backends import BACKENDS
+
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 TOP_KEYS = ("backend", "python", "model_dir", "env", "ssh", "hosts")
 HOST_KEYS = ("ssh", "ips", "rdma", "slots", "gpus", "memory_gb", "python", "cwd", "model_dir")

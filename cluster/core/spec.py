@@ -531,7 +531,7 @@ class JobSpec:
     )
     ranks_on_host: int = 1  # ranks sharing this rank's host (BLAS threads = cores / this)
     launcher_timeout: float = 30.0  # the rank ends itself when the launcher is silent this long
-    hostfile_backend: str = "ring"  # ring, jaccl, jaccl-ring, nccl (links: which pairs it joins)
+    backend: str = "ring"  # the hostfile's (cluster.core.backends): how the ranks join
     measure_links: bool = param(
         True,
         help="As the ranks start (and restart), measure each link "

@@ -11,6 +11,7 @@ import json
 import socket
 from dataclasses import dataclass, field
 
+from cluster.core.backends import BACKENDS
 from cluster.core.hostfile import Host, Hostfile, HostfileError
 
 
@@ -115,25 +116,31 @@ def ring_env(
     connections_per_ip: int = 1,
     verbose: bool = False,
 ) -> list[RankEnv]:
+    """TCP ring: each rank's addresses in MLX_HOSTFILE; a rank on a host with ``gpus`` on its
+    own GPU (CUDA_VISIBLE_DEVICES)."""
     ranks = hostfile.rank_hosts()
-    if len(ranks) == 1:
-        return [RankEnv(0, ranks[0])]
-    ring = json.dumps(ring_addresses(hostfile, starting_port, connections_per_ip))
+    one = len(ranks) == 1  # MLX's singleton group: no ring
+    ring = "" if one else json.dumps(ring_addresses(hostfile, starting_port, connections_per_ip))
     out = []
-    for rank, host in enumerate(ranks):
-        env = {"MLX_RANK": str(rank)}
-        if verbose:
+    for rank, (host, gpu) in enumerate(zip(ranks, rank_gpus(hostfile), strict=True)):
+        env = {} if one else {"MLX_RANK": str(rank)}
+        if verbose and not one:
             env["MLX_RING_VERBOSE"] = "1"
-        out.append(RankEnv(rank, host, env, {"MLX_HOSTFILE": ring}))
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        out.append(RankEnv(rank, host, env, {} if one else {"MLX_HOSTFILE": ring}))
     return out
 
 
-def jaccl_env(hostfile: Hostfile, starting_port: int | None = None) -> list[RankEnv]:
-    """JACCL over RDMA (Thunderbolt 5): coordinator = rank 0's first ip, the IBV device matrix."""
+def jaccl_env(
+    hostfile: Hostfile, starting_port: int | None = None, *_ring: object
+) -> list[RankEnv]:
+    """JACCL over RDMA (Thunderbolt 5): coordinator = rank 0's first ip, the IBV device matrix.
+    (``_ring``: ring's options, which have no meaning here.)"""
     where = hostfile.path or "<hostfile>"
     hosts = hostfile.hosts
     n = len(hosts)
-    ring = hostfile.backend == "jaccl-ring"
+    ring = BACKENDS[hostfile.backend].pairs == "ring"
     if hostfile.world_size == 1:
         return [RankEnv(0, hosts[0])]
     multi = [h.label for h in hosts if h.slots > 1]
@@ -188,7 +195,7 @@ def rank_gpus(hostfile: Hostfile) -> list[int | None]:
     return [None if h.gpus is None else h.gpus[i] for h in hostfile.hosts for i in range(h.slots)]
 
 
-def nccl_env(hostfile: Hostfile, starting_port: int | None = None) -> list[RankEnv]:
+def nccl_env(hostfile: Hostfile, starting_port: int | None = None, *_ring: object) -> list[RankEnv]:
     """NCCL over the hosts' GPUs, one rank per GPU, as mlx.launch --backend nccl sets it:
     NCCL_HOST_IP (rank 0's first ip: rank 0 hands out NCCL's id there), NCCL_PORT,
     MLX_WORLD_SIZE, MLX_RANK and CUDA_VISIBLE_DEVICES."""
@@ -224,12 +231,12 @@ def rank_envs(
     verbose: bool = False,
 ) -> list[RankEnv]:
     """Environment and files for every rank, for the hostfile's backend."""
-    if hostfile.backend == "nccl":
-        return nccl_env(hostfile, starting_port)
-    if hostfile.backend == "ring":
-        envs = ring_env(hostfile, starting_port, connections_per_ip, verbose)
-        for env, gpu in zip(envs, rank_gpus(hostfile), strict=True):
-            if gpu is not None:  # a CUDA host in a ring: each of its ranks on its own GPU
-                env.env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-        return envs
-    return jaccl_env(hostfile, starting_port)
+    return RANK_ENVS[hostfile.backend](hostfile, starting_port, connections_per_ip, verbose)
+
+
+RANK_ENVS = {  # each backend's environment (cluster.core.backends describes the rest)
+    "ring": ring_env,
+    "jaccl": jaccl_env,
+    "jaccl-ring": jaccl_env,
+    "nccl": nccl_env,
+}

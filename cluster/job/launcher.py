@@ -16,10 +16,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Protocol
 
+from cluster.core.backends import BACKENDS
 from cluster.core.hostfile import Hostfile, rank_model_path, split_weights
 from cluster.core.modelcheck import (
     ModelError,
@@ -92,24 +93,14 @@ class JobLink(Protocol):
         order)."""
 
 
-NCCL_PIPELINE = (
-    "pipeline mode cannot run over the nccl backend: its stages hand activations from rank to "
-    "rank with send/recv, which MLX's nccl backend does not carry in the CUDA build this "
-    "project was measured with (MLX 0.32.4), and MLX cannot split an nccl group (so stages "
-    "over ring between hosts with tensor mode over nccl inside each is not possible either). "
-    "Use --mode tensor with nccl, or backend: ring for pipeline mode (ring runs on CUDA hosts "
-    "too, one rank per GPU with gpus:)"
-)
-
-
 def preflight(hostfile: Hostfile, spec: JobSpec) -> list[str]:
     """Checks that need no rank: the model's config (when it is here). Returns what to tell
     the user about the split (pipeline layers, tensor heads, replicated KV heads)."""
     n = hostfile.world_size
     if spec.command == "links":  # no model
         return []
-    if hostfile.backend == "nccl" and spec.mode == "pipeline" and n > 1:
-        raise ModelError(NCCL_PIPELINE)
+    if spec.mode not in BACKENDS[hostfile.backend].modes and n > 1:
+        raise ModelError(BACKENDS[hostfile.backend].refused)
     if spec.split and n < 2:
         raise ModelError("--split is for 2 or more ranks")
     path = Path(spec.model).expanduser()
@@ -169,7 +160,7 @@ def plan(hostfile: Hostfile, spec: JobSpec, launch: LaunchSettings) -> list[Rank
                 model=rank_model_path(hostfile, e.host, spec.model) if spec.model else "",
                 ranks_on_host=per_host[e.rank],
                 launcher_timeout=launch.heartbeat_timeout,
-                hostfile_backend=hostfile.backend,
+                backend=hostfile.backend,
             ).to_json(),
             cwd=e.host.cwd,
             extra_env=hostfile.env,
@@ -223,7 +214,6 @@ def open_ranks(
     return ranks, list(clients.values())
 
 
-@dataclass(frozen=True)
 class RankWatch:
     """The I/O loop of one running job: starts the ranks, takes their output off the queue,
     feeds it to ``cluster.job.state`` and prints what that says."""

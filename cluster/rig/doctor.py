@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.core.backends import BACKENDS
 from cluster.core.blas import INSTALL_HINT, OPENBLAS_PATHS
 from cluster.core.hostfile import Host, Hostfile
 from cluster.core.links import link_problems
@@ -189,7 +190,7 @@ def probe_args(hostfile: Hostfile, host: Host, ports: list[tuple[str, int]]) -> 
         {
             "packages": PACKAGES,
             "ports": ports,
-            "rdma": bool(host.rdma) or hostfile.backend.startswith("jaccl"),
+            "rdma": bool(host.rdma) or BACKENDS[hostfile.backend].rdma,
             "blas_paths": OPENBLAS_PATHS,
             "ranks": host.slots,
             "gpus": gpus_of(hostfile, host),
@@ -201,7 +202,7 @@ def gpus_of(hostfile: Hostfile, host: Host) -> list[int]:
     """The CUDA devices the host's ranks will use ([] when they use none they were given)."""
     if host.gpus is not None:
         return list(host.gpus)
-    return list(range(host.slots)) if hostfile.backend == "nccl" else []
+    return list(range(host.slots)) if BACKENDS[hostfile.backend].gpus else []
 
 
 def run_probe(hostfile: Hostfile, host: Host, ports, accept_new: bool) -> HostReport:
@@ -242,7 +243,7 @@ def planned_ports(
     hostfile: Hostfile, starting_port: int | None, connections_per_ip: int = 1
 ) -> dict[int, list]:
     """Per host, the ring ports its ranks will bind (when known before the job starts)."""
-    if hostfile.backend != "ring" or hostfile.world_size == 1:
+    if BACKENDS[hostfile.backend].mlx != "ring" or hostfile.world_size == 1:
         return {}
     ports: dict[int, list] = {}
     for env in rank_envs(hostfile, starting_port, connections_per_ip):
@@ -285,7 +286,7 @@ def diagnose(
     for r in probed:
         for busy in r.probe.get("busy_ports") or []:
             r.problem("ports", f"ring port {busy} is in use; pass another --starting-port")
-        if hostfile.backend.startswith("jaccl"):
+        if BACKENDS[hostfile.backend].rdma:
             _check_jaccl(r)
         _check_blas(r)
         _check_gpus(r, gpus_of(hostfile, r.host), hostfile.backend)
@@ -321,7 +322,7 @@ def _check_gpus(r: HostReport, wanted: list[int], backend: str) -> None:
     gpu = r.probe.get("gpu")
     mlx = (gpu or {}).get("mlx") or {}
     if not wanted:
-        if gpu and gpu["devices"] and backend == "ring":
+        if gpu and gpu["devices"] and not BACKENDS[backend].gpus:
             where = "its ranks run on MLX's default device" if mlx.get("cuda") else (
                 "MLX here is its CPU build, so its ranks run on the CPU")  # fmt: skip
             r.notes.append(

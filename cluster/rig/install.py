@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from cluster.core.backends import BACKENDS
 from cluster.core.hostfile import Host, Hostfile
 from cluster.job.process import rank_python
 from cluster.rig.indexproxy import IndexTunnels, forward_index
@@ -123,8 +124,8 @@ def steps(
 
 
 def wants_cuda(hostfile: Hostfile, host: Host) -> bool:
-    """The hostfile puts ranks on the host's GPUs (gpus, or the nccl backend)."""
-    return host.gpus is not None or hostfile.backend == "nccl"
+    """The hostfile puts ranks on the host's GPUs (gpus, or a GPU backend: nccl)."""
+    return host.gpus is not None or BACKENDS[hostfile.backend].gpus
 
 
 def install_host(

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, field
 from itertools import permutations
 
+from cluster.core.backends import BACKENDS
+
 DEFAULT_SUBNETS = "10.200.0.0/16"
 NETMASK = "255.255.255.252"
 COMMANDS = {  # what each host is asked, and the file name its output is saved under
@@ -232,7 +234,7 @@ def plan(nodes: list[Node], backend: str | None = None, pool: str = DEFAULT_SUBN
         )
     if backend in ("ring", "jaccl-ring") and ring is None:
         raise TopologyError(_no_ring(nodes, links))
-    if backend != "ring" and no_rdma:
+    if BACKENDS[backend].rdma and no_rdma:
         raise TopologyError(
             f"{backend} needs RDMA, but `ibv_devices` lists no rdma_ device on "
             f"{', '.join(no_rdma)}; enable it with `rdma_ctl enable` in Recovery (macOS 26.2+, "

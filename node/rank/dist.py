@@ -1,44 +1,32 @@
-"""Joining the job's distributed group, with the backend chosen from the environment."""
+"""Joining the job's distributed group over the backend the launcher names (spec.backend)."""
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
+from cluster.core.backends import BACKENDS, RING, Backend
 from cluster.core.modelcheck import SetupError
 
-
-def backend_from_env(env: dict[str, str] | None = None) -> str:
-    """jaccl when the launcher gave a coordinator and an IBV device matrix, nccl when it gave
-    NCCL's host and port, ring otherwise."""
-    env = os.environ if env is None else env
-    if env.get("MLX_JACCL_COORDINATOR") and env.get("MLX_IBV_DEVICES"):
-        return "jaccl"
-    if env.get("NCCL_HOST_IP") and env.get("NCCL_PORT") and env.get("MLX_WORLD_SIZE"):
-        return "nccl"
-    return "ring"
+_joined: Backend = RING  # the backend this process joined: MLX joins one group per process
 
 
 def control_stream() -> mx.Stream | mx.Device:
     """Where the small collectives (shared requests, stop flags, barriers) run: the CPU, so
-    they never queue behind the model's work, except over nccl, whose collectives run on the
-    GPU's streams only."""
-    return mx.gpu if backend_from_env() == "nccl" else mx.cpu
+    they never queue behind the model's work, except over a backend whose collectives run on
+    the GPU's streams only (nccl)."""
+    return mx.gpu if _joined.collectives_on_gpu else mx.cpu
 
 
-def init_group(world_size: int) -> mx.distributed.Group:
-    """The job's group; a 1-rank job gets MLX's singleton group without any backend."""
+def init_group(world_size: int, backend: str) -> mx.distributed.Group:
+    """The job's group over ``backend`` (a name in cluster.core.backends); a 1-rank job gets
+    MLX's singleton group without any backend."""
+    global _joined
+    _joined = BACKENDS[backend]
     if world_size == 1:
         return mx.distributed.init()
-    backend = backend_from_env()
-    if backend == "nccl" and not mx.distributed.is_available(backend="nccl"):
-        raise SetupError(
-            "MLX on this host has no nccl backend (it is MLX's CPU or Metal build): install "
-            "mlx-cluster[cuda] here, then MLX's CUDA build last (docs/setup.md, `mlx-cluster "
-            "install` does both), or use backend: ring"
-        )
-    group = mx.distributed.init(backend=backend, strict=True)
+    if not mx.distributed.is_available(backend=_joined.mlx):
+        raise SetupError(_joined.missing or f"MLX on this host has no {backend} backend")
+    group = mx.distributed.init(backend=_joined.mlx, strict=True)
     if group.size() != world_size:
         raise RuntimeError(
             f"joined a group of {group.size()} ranks but the job has {world_size}; "

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from cluster.core.backends import BACKENDS
 from cluster.core.protocol import LinkReport
 
 LINK_REPS = 30
@@ -29,16 +30,6 @@ def pattern(nbytes: int, seed: int) -> mx.array:
     shape = (max(1, nbytes // 4),)
     words = mx.random.randint(-(2**31), 2**31 - 1, shape, dtype=mx.int32, key=mx.random.key(seed))
     return words.view(mx.uint32)
-
-
-def pairs_of(n: int, backend: str) -> list[tuple[int, int]]:
-    """The pairs of ranks a backend sends between; nccl: none (MLX 0.32.4's nccl backend, the
-    one measured here, has collectives but no send/recv, so only all_sum is measured)."""
-    if n < 2 or backend == "nccl":
-        return []
-    if backend == "jaccl":
-        return [(a, b) for a in range(n) for b in range(a + 1, n)]
-    return sorted({tuple(sorted((k, (k + 1) % n))) for k in range(n)})
 
 
 def _round_trips(x: mx.array, peer: int, first: bool, group, reps: int) -> list[float]:
@@ -116,7 +107,7 @@ def run_links(group, backend: str, emit: Callable, large: int = LARGE) -> None:
     """Measure every link of the backend, then all_sum; rank 0 emits the LinkReport. ``large``:
     the bytes sent one way per link (doctor: 64 MB; serve at start: AT_START)."""
     n, rank = group.size(), group.rank()
-    pairs = pairs_of(n, backend)
+    pairs = BACKENDS[backend].link_pairs(n)
     rows = mx.zeros((len(pairs), len(FIELDS)), dtype=mx.float32)
     for k, (a, b) in enumerate(pairs):
         mx.eval(mx.distributed.all_sum(mx.zeros((1,)), group=group))  # one link at a time

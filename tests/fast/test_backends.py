@@ -182,13 +182,28 @@ def test_gpus_are_checked(gpus, slots, message):
         parse_hostfile({"backend": "nccl", "hosts": [host]}, "h.yaml")
 
 
-def test_the_rank_finds_nccl_in_its_environment():
-    from node.rank.dist import backend_from_env
+def test_a_rank_without_its_backend_in_mlx_says_what_to_do():
+    """The rank joins the backend the launcher names (spec.backend), and refuses one its MLX
+    lacks with the description's advice (MLX's CPU build has no nccl)."""
+    from cluster.core.modelcheck import SetupError
+    from node.rank.dist import init_group
 
-    env = {"NCCL_HOST_IP": "10.0.0.1", "NCCL_PORT": "12345", "MLX_WORLD_SIZE": "2",
-           "MLX_RANK": "1"}  # fmt: skip
-    assert backend_from_env(env) == "nccl"
-    assert backend_from_env({"MLX_HOSTFILE": "/tmp/x", "MLX_RANK": "0"}) == "ring"
+    with pytest.raises(SetupError, match=r"no nccl backend .* install mlx-cluster\[cuda\]"):
+        init_group(2, "nccl")
+
+
+def test_every_backend_is_described_and_has_its_rank_environment():
+    """A backend is its description (cluster.core.backends) and its environment function
+    (cluster.job.backends): the hostfile, --backend, doctor, install and the ranks read
+    the first; the launcher builds ranks from the second."""
+    from cluster.core.backends import BACKENDS
+    from cluster.job.backends import RANK_ENVS
+
+    assert set(BACKENDS) == set(RANK_ENVS)
+    for b in BACKENDS.values():
+        assert b.help and b.pairs in ("ring", "mesh", "none") and b.modes
+        assert b.refused or set(b.modes) == {"pipeline", "tensor"}, b.name
+        assert b.missing or b.name == "ring", b.name
 
 
 def test_pipeline_over_nccl_is_refused_with_the_reason(tmp_path):

@@ -61,7 +61,7 @@ def main() -> int:
     parser.add_argument("--cells", required=True, help="JSON list of {family, model, ...}")
     args = parser.parse_args()
     cells = json.loads(Path(args.cells).read_text())
-    group = init_group(args.world_size)
+    group = init_group(args.world_size, "ring")
     for cell in cells:
         answer = run_cell(cell, args.mode, group)
         if answer is not None:
