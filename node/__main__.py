@@ -100,7 +100,8 @@ def run(spec: JobSpec) -> None:
 
         loaded.speculation = load_draft(spec.draft, loaded, group)
     barrier(group)
-    emit(Ready(time.perf_counter() - tic, layers=loaded.layers, files=loaded.files))
+    layers = None if loaded.layers is None else list(loaded.layers)
+    emit(Ready(time.perf_counter() - tic, layers=layers, files=loaded.files))
     check_kv_quant(loaded.config, spec.kv_quant.kv_bits, spec.kv_quant.kv_group_size)
     steps = {"prefill_step_size": spec.prefill_step} if spec.prefill_step else {}
     stages = spec.world_size if spec.mode == "pipeline" else 1

@@ -315,8 +315,7 @@ def hostfile_discover(
       mlx-cluster hostfile discover --hosts m1,m2,m3,m4 --backend jaccl --apply -o rig.yaml
     """
     from cluster.core.hostfile import parse_hostfile, split_target
-    from cluster.rig.topology import TopologyError, parse_node
-    from cluster.rig.topology import plan as make_plan
+    from cluster.rig.topology import TopologyError, parse_node, plan_rig
 
     if bool(hosts) == bool(from_hostfile):
         raise click.UsageError("give the Macs with either --hosts A,B,... or --hostfile FILE")
@@ -340,7 +339,7 @@ def hostfile_discover(
         if save:
             save_outputs(save, outputs)
         nodes = [parse_node(name, found) for name, found in outputs.items()]
-        plan = make_plan(nodes, backend, subnets)
+        plan = plan_rig(nodes, backend, subnets)
     except TopologyError as e:
         click.echo(f"mlx-cluster: {e}", err=True)
         sys.exit(1)

@@ -17,11 +17,11 @@ from typing import Any
 # JSON as json.dumps and chat templates' tojson write it (one space after ',' and ':') and no
 # other whitespace: an answer's length is then bounded by the schema's, not by how much
 # whitespace a model likes
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # llguidance's bounds on one grammar; the rest keep its defaults (a step's work ~14 ms at most,
 # compiling a lexer ~20 ms of fuel). 50,000 lexer states are ~100 MB at most (its default,
 # 250,000, is up to 500 MB per grammar).
-LIMITS = {"max_lexer_states": 50_000, "max_grammar_size": 500_000}
+LIMITS: dict[str, Any] = {"max_lexer_states": 50_000, "max_grammar_size": 500_000}
 MAX_SOURCE = 1 << 20  # characters of a schema, regex or grammar
 
 

@@ -402,6 +402,7 @@ def split_weights(hostfile: Hostfile) -> list[float] | None:
     """Per-rank memory (a host's memory_gb shared by its slots) when every host gives it: the
     weights of a pipeline split (launch, sync and doctor alike)."""
     hosts = hostfile.rank_hosts()
-    if not all(h.memory_gb for h in hosts):
+    memory = [h.memory_gb for h in hosts]
+    if not all(memory):
         return None
-    return [h.memory_gb / h.slots for h in hosts]
+    return [(m or 0) / h.slots for m, h in zip(memory, hosts, strict=True)]

@@ -1,4 +1,4 @@
-"""What makes a link worth naming: the judgement on ``doctor --links``' figures (node/links.py
+"""What makes a link worth naming: the judgement on ``doctor --links``' figures (node/rank/links.py
 measures them), shared by doctor's table and serve's page."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from cluster.core.params import ALL, OPENAI, RESPONSES, Range, param
 
@@ -620,7 +620,7 @@ def default(cls: type, name: str) -> Any:
 def pick(cls: type[T], values: dict[str, Any]) -> T:
     """``cls`` from the entries of ``values`` named like its fields, popped from ``values``
     (a command's keyword arguments: what is left belongs elsewhere)."""
-    names = [f.name for f in dataclasses.fields(cls) if f.name in values]
+    names = [f.name for f in dataclasses.fields(cast(Any, cls)) if f.name in values]
     return cls(**{n: values.pop(n) for n in names})
 
 
@@ -643,7 +643,7 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     keys are an error (a launcher and a rank of different versions)."""
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
-    decoders = _decoders(cls)
+    decoders = _decoders(cast(Any, cls))
     unknown = sorted(set(data) - decoders.keys())
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)}")
@@ -660,7 +660,7 @@ def _decoders(cls: type) -> dict[str, Any]:
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         options = typing.get_args(hint) if _is_union(hint) else (hint,)
-        found = next((o for o in options if dataclasses.is_dataclass(o) or o is bytes), None)
+        found: Any = next((o for o in options if dataclasses.is_dataclass(o) or o is bytes), None)
         for o in options:
             args = typing.get_args(o)
             if typing.get_origin(o) is list and args and dataclasses.is_dataclass(args[0]):

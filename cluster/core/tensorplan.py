@@ -1,5 +1,5 @@
 """Which heads and which MLP columns each rank holds in tensor mode: the plan the ranks apply
-(node/tensor.py) and the preflight checks and reports before any rank starts.
+(node/model/tensor.py) and the preflight checks and reports before any rank starts.
 
 Query heads and MLP columns are split in proportion to each rank's weight (equal by default;
 ``memory_gb`` or ``--split`` otherwise), as contiguous spans: 64 heads over 3 ranks is 22/21/21.
@@ -11,13 +11,14 @@ the input of a row-parallel layer (o_proj, down_proj) falls on a quantization-gr
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cluster.core.modelcheck import ModelError, check_shardable, text_config
 
 
-def spans(total: int, weights: list[float], unit: int = 1) -> list[tuple[int, int]]:
+def spans(total: int, weights: Sequence[float], unit: int = 1) -> list[tuple[int, int]]:
     """``total`` split into contiguous [start, end) spans in proportion to ``weights``, every
     boundary a multiple of ``unit``, none empty (largest remainder; ties to the low ranks)."""
     n = len(weights)
@@ -90,7 +91,7 @@ def quant_group(config: dict[str, Any]) -> int:
 
 
 def plan_tensor(
-    config: dict[str, Any], size: int, weights: list[float] | None = None
+    config: dict[str, Any], size: int, weights: Sequence[float] | None = None
 ) -> TensorPlan:
     """Each rank's heads, KV heads and MLP columns; ModelError (naming the numbers) when a
     model cannot be split over ``size`` ranks this way."""
@@ -132,6 +133,7 @@ def plan_tensor(
             ) from None
 
     heads = split("num_attention_heads", n_heads, heads_unit)
+    assert heads is not None  # n_heads is an int
     mlp = split("intermediate_size", cfg.get("intermediate_size"), group or 1)
     moe = split("moe_intermediate_size", cfg.get("moe_intermediate_size"), group or 1)
     shared = split(
@@ -142,7 +144,7 @@ def plan_tensor(
 
 
 def check_mode(
-    config: dict[str, Any], mode: str, size: int, weights: list[float] | None = None
+    config: dict[str, Any], mode: str, size: int, weights: Sequence[float] | None = None
 ) -> TensorPlan | None:
     """check_shardable, and in tensor mode the plan (None otherwise); ModelError names why a
     model cannot be split as asked."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.core.backends import BACKENDS
@@ -234,7 +235,8 @@ def rank_envs(
     return RANK_ENVS[hostfile.backend](hostfile, starting_port, connections_per_ip, verbose)
 
 
-RANK_ENVS = {  # each backend's environment (cluster.core.backends describes the rest)
+# each backend's environment (cluster.core.backends describes the rest)
+RANK_ENVS: dict[str, Callable[..., list[RankEnv]]] = {
     "ring": ring_env,
     "jaccl": jaccl_env,
     "jaccl-ring": jaccl_env,

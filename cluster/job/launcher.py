@@ -8,6 +8,7 @@ was doing and the last lines it printed. The bookkeeping (who said what, who fai
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import shutil
@@ -114,7 +115,8 @@ def preflight(hostfile: Hostfile, spec: JobSpec) -> list[str]:
     check_request(config, spec.command, spec.request.image is not None, spec.model)
     check_kv_quant(config, spec.kv_quant.kv_bits, spec.kv_quant.kv_group_size)
     if plan is not None:
-        notes = [plan.kv_note()] if plan.kv_note() else []
+        kv_note = plan.kv_note()
+        notes = [kv_note] if kv_note else []
         if weights:
             heads = ",".join(str(b - a) for a, b in plan.heads)
             notes.insert(0, f"tensor split in proportion {weights}: query heads per rank {heads}")
@@ -139,7 +141,7 @@ def check_ports(launches: list[RankLaunch]) -> None:
                 )
 
 
-def plan(hostfile: Hostfile, spec: JobSpec, launch: LaunchSettings) -> list[RankLaunch]:
+def rank_launches(hostfile: Hostfile, spec: JobSpec, launch: LaunchSettings) -> list[RankLaunch]:
     """Each rank's start: its host, python, environment, files and its view of the job."""
     local = Path(spec.model).expanduser()
     if spec.model and local.exists():  # ranks may run in another directory
@@ -207,7 +209,7 @@ def open_ranks(
             r,
             clients[r.host.index],
             job_dir.name,
-            reconnect=lambda h=r.host: connect(h, hostfile, accept_new_host_keys),
+            reconnect=functools.partial(connect, r.host, hostfile, accept_new_host_keys),
         )
         for r in launches
     ]
@@ -410,7 +412,7 @@ def run_job(
     started = time.perf_counter() if started is None else started
     try:
         notes = preflight(hostfile, spec)
-        launches = plan(hostfile, spec, launch)
+        launches = rank_launches(hostfile, spec, launch)
     except (ModelError, ValueError) as e:
         raise LaunchError(f"error: {e}", exit_code=2) from e
     check_ports(launches)

@@ -62,7 +62,7 @@ def fits(hostfile: Hostfile, spec: JobSpec) -> str | None:
     hosts = hostfile.rank_hosts()
     total = sum(shares.values()) or 1
     for rank, share in shares.items():
-        budget = hosts[rank].memory_gb / hosts[rank].slots * 1e9 * MEMORY_FRACTION
+        budget = (hosts[rank].memory_gb or 0) / hosts[rank].slots * 1e9 * MEMORY_FRACTION
         need = share + kv * share / total  # a rank's KV follows its share of the layers/heads
         if need > budget:
             return (

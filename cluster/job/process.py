@@ -104,6 +104,8 @@ class LocalRank:
         threading.Thread(target=wait, daemon=True).start()
 
     def write_stdin(self, data: bytes) -> None:
+        if self.proc is None or self.proc.stdin is None:
+            raise OSError(f"rank {self.rank} has not started")
         self.proc.stdin.write(data)
         self.proc.stdin.flush()
 

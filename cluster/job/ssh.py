@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import paramiko
 
@@ -50,7 +51,7 @@ class SSHTarget:
 
 def ssh_target(host: Host, hostfile: Hostfile) -> SSHTarget:
     """Host entry, then the hostfile's ssh block, then ~/.ssh/config, then OpenSSH defaults."""
-    config = {}
+    config: dict[str, Any] = {}
     config_path = Path("~/.ssh/config").expanduser()
     if config_path.exists():
         config = paramiko.SSHConfig.from_path(str(config_path)).lookup(host.hostname)
@@ -293,11 +294,15 @@ class RemoteRank:
             self._write(sftp, f"{self.dir}/job.json", self.launch.spec)
         finally:
             sftp.close()
+        assert self.dir is not None  # made above
         d = shlex.quote(self.dir)
         cwd = shlex.quote(self.launch.cwd) if self.launch.cwd else d
         command = shell_command(node_command(self.launch.python, f"{self.dir}/job.json"))
         script = f"cd {cwd} && . {d}/env.sh && echo $$ > {d}/pid && exec {command}"
-        self.channel = self.client.get_transport().open_session()
+        transport = self.client.get_transport()
+        if transport is None:
+            raise SSHError(f"{self.host.label}: the SSH connection closed")
+        self.channel = transport.open_session()
         self.channel.exec_command(script)
         threading.Thread(target=self._pump, args=(events,), daemon=True).start()
 
@@ -310,6 +315,7 @@ class RemoteRank:
     def _pump(self, events: queue.Queue) -> None:
         """stdout chunks and stderr lines until the channel closes, then the exit status."""
         chan = self.channel
+        assert chan is not None  # started
         readers = [
             threading.Thread(target=_read_stdout, args=(chan, self.rank, events), daemon=True),
             threading.Thread(target=_read_stderr, args=(chan, self.rank, events), daemon=True),
@@ -326,6 +332,8 @@ class RemoteRank:
         self._done.set()
 
     def write_stdin(self, data: bytes) -> None:
+        if self.channel is None:
+            raise OSError(f"rank {self.rank} has not started")
         self.channel.sendall(data)
 
     def poll(self) -> int | None:
@@ -342,7 +350,7 @@ class RemoteRank:
     def send_signal(self, sig: int) -> None:
         """Signal the remote process group itself, over a new connection if the old one
         dropped (a dropped channel does not end a process that is not writing)."""
-        if self.channel is None or self._exited:
+        if self.channel is None or self._exited or self.dir is None:
             return
         pid = f"$(cat {shlex.quote(self.dir)}/pid 2>/dev/null)"
 

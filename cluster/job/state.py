@@ -327,7 +327,7 @@ def culprit(failed: RankState, states: list[RankState]) -> RankState:
         return failed
     reported = [s for s in states if s.error_t is not None]
     if reported:
-        return min(reported, key=lambda s: s.error_t)
+        return min(reported, key=lambda s: s.error_t or 0.0)
     silent = [s for s in states if s.exit_code not in (None, 0) and s.error is None]
     silent.sort(key=lambda s: s.stopped_by_us)
     return silent[0] if silent else failed

@@ -353,7 +353,7 @@ class HostResult:
 
 
 @dataclass
-class Plan:
+class CopyPlan:
     """What each file needs: the hosts that want it, and from which offset each can resume."""
 
     to: dict[str, dict[int, int]] = field(default_factory=dict)  # name -> host -> offset
@@ -464,7 +464,7 @@ class Copy:
         sizes = {n: (self.source / n).stat().st_size for ns in self.names.values() for n in ns}
         bars = {i: self.progress(self.host(i), sum(sizes[n] for n in self.names[i])) for i in hosts}
         first: dict[int, ReceiverHandle] = {}
-        plan = Plan()
+        plan = CopyPlan()
         if not hosts:
             return self.results
         with ThreadPoolExecutor(max_workers=min(8, len(hosts))) as pool:
@@ -534,7 +534,7 @@ class Copy:
                 return str(e).removeprefix(f"{host.label}: ")
         return str(error)
 
-    def stream(self, plan: Plan, chain: list[int], names: list[str], first, bars) -> None:
+    def stream(self, plan: CopyPlan, chain: list[int], names: list[str], first, bars) -> None:
         """One lane: the laptop streams ``names`` to the chain's head, each host passes the
         stream on to the next; each host reports what it stored."""
         try:
@@ -672,7 +672,7 @@ class Copy:
                 self.fail(index, str(e))
 
 
-def plan_needs(plan: Plan, index: int) -> bool:
+def plan_needs(plan: CopyPlan, index: int) -> bool:
     return any(index in to for to in plan.to.values())
 
 

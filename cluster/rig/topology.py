@@ -200,7 +200,7 @@ def assign_addresses(links: list[Link], pool: str = DEFAULT_SUBNETS) -> None:
 
 
 @dataclass
-class Plan:
+class RigPlan:
     backend: str
     order: list[int]  # rank -> node index
     hosts: list[dict]  # hostfile host entries, in rank order
@@ -208,7 +208,7 @@ class Plan:
     notes: list[str]
 
 
-def plan(nodes: list[Node], backend: str | None = None, pool: str = DEFAULT_SUBNETS) -> Plan:
+def plan_rig(nodes: list[Node], backend: str | None = None, pool: str = DEFAULT_SUBNETS) -> RigPlan:
     """The backend (as asked, else: JACCL mesh > JACCL ring > TCP ring), the rank order, the
     hostfile entries and each host's commands. Errors name the cables that are missing."""
     n = len(nodes)
@@ -246,7 +246,7 @@ def plan(nodes: list[Node], backend: str | None = None, pool: str = DEFAULT_SUBN
     assign_addresses(links, pool)
     hosts = [_host_entry(nodes, links, order, rank, backend) for rank in range(n)]
     commands = {x.name: _commands(i, links) for i, x in enumerate(nodes)}
-    return Plan(backend, order, hosts, commands, notes)
+    return RigPlan(backend, order, hosts, commands, notes)
 
 
 def even_cables(

@@ -22,6 +22,7 @@ import ipaddress
 import json
 import queue
 import select
+import selectors
 import socket
 import threading
 import time
@@ -70,8 +71,8 @@ class Api:
         read_timeout: float = 30.0,
         max_connections: int = 256,
         keepalive_s: float = SSE_KEEPALIVE_S,
-        allowed_hosts: list[str] = (),
-        cors_origins: list[str] = (),
+        allowed_hosts: Iterable[str] = (),
+        cors_origins: Iterable[str] = (),
     ):
         self.keepalive_s = keepalive_s
         self.hosts = own_names(host) | {h.lower().rstrip(".") for h in allowed_hosts}
@@ -88,19 +89,22 @@ class Api:
             "/v1/messages/count_tokens": CountTokens(),
         }
         self.httpd = Server((host, port), Handler, self, max_connections)
-        self.thread = threading.Thread(  # stop() waits at most a poll for the loop to see it
-            target=self.httpd.serve_forever, args=(0.1,), daemon=True, name="http"
+        self.thread = threading.Thread(
+            target=self.httpd.serve_until_stopped, daemon=True, name="http"
         )
 
     @property
     def address(self) -> tuple[str, int]:
-        return self.httpd.server_address[:2]
+        host, port = self.httpd.server_address[:2]
+        return str(host), int(port)
 
     def start(self) -> None:
         self.thread.start()
 
     def stop(self) -> None:
-        self.httpd.shutdown()
+        self.httpd.stop()
+        if self.thread.is_alive():
+            self.thread.join()
         self.httpd.server_close()
 
     def authorized(self, headers) -> bool:
@@ -214,7 +218,33 @@ class Server(ThreadingHTTPServer):
         # clients connecting at once wait in the kernel's queue, not refused (socketserver's
         # default backlog is 5: a burst of 64 clients saw connections reset)
         self.request_queue_size = max(128, max_connections)
+        self.stopping = False
+        self.wake_r, self.wake_w = socket.socketpair()  # before: a failed bind closes them
         super().__init__(address, handler)
+
+    def serve_until_stopped(self) -> None:
+        """Accept connections until ``stop``. socketserver's serve_forever wakes every poll
+        interval to look for a shutdown, on a server that idles for days; this one sleeps
+        until a client connects or ``stop`` writes to its wake socket."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self, selectors.EVENT_READ)
+            selector.register(self.wake_r, selectors.EVENT_READ)
+            while not self.stopping:
+                for key, _ in selector.select():
+                    if key.fileobj is self and not self.stopping:
+                        self._handle_request_noblock()  # type: ignore[attr-defined]
+
+    def stop(self) -> None:
+        self.stopping = True
+        try:
+            self.wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.wake_r.close()
+        self.wake_w.close()
 
     def process_request(self, request, client_address):
         if not self.slots.acquire(blocking=False):
@@ -406,7 +436,7 @@ class Handler(BaseHTTPRequestHandler):
         self.service.metrics.finished(403)
         self.error(RequestError(
             403,
-            f"a web page of {origin[:100]!r} may not call this API; start serve with "
+            f"a web page of {(origin or '')[:100]!r} may not call this API; start serve with "
             "--cors-origins ORIGIN to allow it",
             "permission_error",
         ), endpoint)  # fmt: skip

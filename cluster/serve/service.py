@@ -4,7 +4,7 @@ routes rank 0's events back to it; the supervisor (cluster/serve/supervisor.py) 
 and starts it again when it fails.
 
 Requests wait in ``pending`` while no job is ready (at start, during a restart); a ready rank 0
-gets each one as a JSON line on its channel and answers with events (node/serve.py). When the
+gets each one as a JSON line on its channel and answers with events (node/jobs/serve.py). When the
 job fails, what rank 0 was answering is decided here: a request whose client has seen nothing
 yet (any non-streaming one, a stream before its first text) is decoded again after the
 restart; a stream under way ends with an error event and ``[DONE]`` (its tokens are not
@@ -90,7 +90,8 @@ class Answered:
 
 @dataclass
 class Flight:
-    """A request rank 0 has, from the line sent to its end."""
+    """The launcher's side of a request's flight, from the line sent to rank 0 to its end
+    (rank 0's side: node.jobs.serve.Flight)."""
 
     req: ApiRequest
     shown: bool = False  # text reached the client's queue

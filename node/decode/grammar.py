@@ -36,6 +36,7 @@ import numpy as np
 
 from cluster.core.grammar import JSON_OPTIONS, LIMITS  # one set for the launcher and ranks
 from cluster.core.spec import Grammar
+from node.rank.numbers import host_ints
 
 
 class GrammarError(ValueError):
@@ -76,9 +77,9 @@ def tokens() -> Tokens:
     if _SOURCE is None or not _SOURCE[0].exists():
         raise GrammarError("this model has no tokenizer.json: its answers cannot be constrained")
     path, eos, vocab = _SOURCE
-    eos = [e for e in eos if 0 <= e < vocab] or None  # else tokenizer.json's own
+    ends = [e for e in eos if 0 <= e < vocab] or None  # else tokenizer.json's own
     try:
-        tokenizer = llguidance.LLTokenizer(str(path), n_vocab=vocab, eos_token=eos)
+        tokenizer = llguidance.LLTokenizer(str(path), n_vocab=vocab, eos_token=ends)
     except (ValueError, RuntimeError) as e:
         raise GrammarError(f"llguidance cannot read this model's tokenizer ({e})") from None
     return Tokens(tokenizer, vocab)
@@ -130,7 +131,7 @@ class Constrained:
         if self.start is None:
             self.start = n
         mx.async_eval(logits)  # the step's forward runs while the matcher works
-        new = history[self.start + self.fed :].tolist() if n > self.start + self.fed else []
+        new = host_ints(history[self.start + self.fed :]) if n > self.start + self.fed else []
         self.fed += len(new)
         if self.waiting:
             self.tail += new

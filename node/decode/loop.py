@@ -128,7 +128,7 @@ def token_stream(
     layers, then the proposer's). ``on_progress``: mlx-lm's prompt_progress_callback;
     ``first_logits``: see ``generate``."""
     s = request.sampling
-    mx.random.seed(s.seed)
+    mx.random.seed(int(s.seed or 0))  # rank 0 drew it (seeded): never None here
     feed = request.tokens if feed is None else feed
     extra = dict(STEP_ARGS)
     extra.setdefault("prefill_step_size", prefill_step(len(feed), STAGES[0]))

@@ -18,6 +18,7 @@ from typing import Any
 from cluster.core.protocol import Piece, ToolCall
 from cluster.core.text import valid_text
 from node.decode.reasoning import THINK_CLOSE, THINK_OPEN, held_back
+from node.rank.numbers import host_float, host_floats, host_ints
 
 CONTENT, REASONING, TOOL = "content", "reasoning", "tool"
 
@@ -109,6 +110,8 @@ class Parts:
 
     def parse(self, markup: str, end: str) -> bool:
         try:
+            if self.parser is None:  # markup is only looked for with a parser: never here
+                raise ValueError("no tool parser")
             parsed = self.parser(markup, self.tools)
             calls = parsed if isinstance(parsed, list) else [parsed]
             found = [
@@ -166,11 +169,11 @@ def token_logprobs(tokenizer, token: int, logprobs, top: int) -> dict[str, Any]:
         text = tokenizer.decode([i])
         return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
 
-    chosen = entry(token, logprobs[token].item())
+    chosen = entry(token, host_float(logprobs[token]))
     if top > 0:
         ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
-        values = logprobs[ids].tolist()
-        ranked = sorted(zip(ids.tolist(), values, strict=True), key=lambda p: -p[1])
+        values = host_floats(logprobs[ids])
+        ranked = sorted(zip(host_ints(ids), values, strict=True), key=lambda p: -p[1])
         chosen["top_logprobs"] = [entry(i, v) for i, v in ranked]
     else:
         chosen["top_logprobs"] = []

@@ -21,7 +21,7 @@ def prefill_step(prompt_tokens: int, stages: int) -> int:
     In pipeline mode a stage starts the next step while the stages after it work on the ones
     it sent, so k steps over N stages take (k + N - 1) / (k N) of one rank's time: the step
     halves from 2048 until the prompt makes STEPS_PER_STAGE x N steps, down to 256 tokens
-    (measured with tests/prefill_overlap.py: docs/benchmarks.md)."""
+    (measured with tests/bench/prefill_overlap.py: docs/benchmarks.md)."""
     step = PREFILL_STEP
     if stages > 1:
         while step > PIPELINE_STEP_MIN and prompt_tokens < STEPS_PER_STAGE * stages * step:

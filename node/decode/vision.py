@@ -23,7 +23,7 @@ def make_vlm_request(
     if image is not None:
         _image(image)  # fail here, on rank 0, before the other ranks get it
     text = apply_chat_template(processor, config, prompt, num_images=1 if image else 0)
-    return SharedRequest(sampling, vlm_prompt=text, image=image)
+    return SharedRequest(sampling, vlm_prompt=str(text), image=image)
 
 
 def generate_vlm(
@@ -38,12 +38,12 @@ def generate_vlm(
     from node.decode.text import AnswerText
 
     s = request.sampling
-    mx.random.seed(s.seed)
+    mx.random.seed(int(s.seed or 0))  # rank 0 drew it (seeded): never None here
     images = [_image(request.image)] if request.image else None
     responses = stream_generate(
         model,
         processor,
-        request.vlm_prompt,
+        request.vlm_prompt or "",
         image=images,
         max_tokens=s.max_tokens,
         sampler=sampler(request),  # the text models' own, so every sampling option reaches both

@@ -34,7 +34,7 @@ pipeline.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
@@ -52,6 +52,7 @@ from node.decode.sampling import RequestFailed, tried
 from node.jobs.diskcache import BLOCK_TOKENS, worth_reading
 from node.rank.dist import control_stream
 from node.rank.memory import reapply_wired_limit
+from node.rank.numbers import host_float
 
 ROUND_STEPS = STOP_CHECK_EVERY  # generator steps between two orders of rank 0
 MODEL_KEY = "served"  # one model per server: every cache entry is under this key
@@ -139,7 +140,7 @@ class Lockstep:
     def decoding(self) -> bool:
         return len(self.live) > len(self.prefilling)
 
-    def next_prefill_step(self, joining: list[int] = ()) -> int | None:
+    def next_prefill_step(self, joining: Sequence[int] = ()) -> int | None:
         """Rank 0: the prefill step the next round should take (``joining``: the prompt
         lengths its order inserts), when it is not the current one (None)."""
         step = self.pace.most
@@ -166,7 +167,7 @@ class Lockstep:
         if order.prefill_step is not None:
             self.generator.prefill_step_size = order.prefill_step
         self.from_disk = {}
-        joined = []
+        joined: list[tuple[int | None, int, str | None]] = []
         for r in order.insert:
             try:
                 chosen, chain = tried(r, self.vocab)
@@ -237,12 +238,14 @@ class Lockstep:
         (one all_sum per entry dropped, and one to agree there is nothing to drop)."""
         import mlx.core as mx
 
+        if self.prompt_cache is None:
+            return
         while self.kept and len(self.prompt_cache):
             over = self.prompt_cache.nbytes > self.cache_bytes
             if self.group is not None and self.group.size() > 1:
                 flag = mx.array(1.0 if over else 0.0)
                 total = mx.distributed.all_sum(flag, group=self.group, stream=control_stream())
-                over = total.item() > 0
+                over = host_float(total) > 0
             if not over:
                 break
             self.prompt_cache.trim_to(n_sequences=len(self.prompt_cache) - 1)

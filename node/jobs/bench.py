@@ -14,6 +14,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -24,6 +25,7 @@ from node.decode.loop import draft_counts, stream, token_stream
 from node.decode.sampling import seeded
 from node.decode.text import AnswerText
 from node.jobs import Job
+from node.rank.numbers import host_ints
 
 COLLECTIVES = ("all_sum", "all_gather", "all_max", "all_min", "send", "recv", "recv_like")
 ALLSUM_WARMUP = 5
@@ -33,7 +35,7 @@ ALLSUM_SAMPLES = 50
 def synthetic_prompt(vocab_size: int, n: int) -> list[int]:
     """``n`` token ids, as mlx_lm.benchmark draws them (the same ids on every rank)."""
     mx.random.seed(0)
-    return mx.random.randint(0, vocab_size, (1, n)).tolist()[0]
+    return host_ints(mx.random.randint(0, vocab_size, (n,)))
 
 
 class Clock:
@@ -61,6 +63,8 @@ class Clock:
 
 def run_figures(clock: Clock, prompt_tokens: int) -> dict:
     """One run's numbers; generation tok/s counts the n-1 tokens after the first."""
+    if clock.first is None or clock.last is None:
+        raise RuntimeError("the run produced no token")
     ttft = clock.first - clock.start
     decode_s = clock.last - clock.first
     return {
@@ -139,7 +143,7 @@ def run_bench(job: Job) -> None:
             digest = hashlib.sha256(str(answer.tokens).encode()).hexdigest()[:16]
             emit(BenchRun(run=i, warmup=i < b.warmup, tokens_sha=digest, **figures))
     counts = count_collectives(model, prompt[-1])
-    comm = {"counts": dict(counts)}
+    comm: dict[str, Any] = {"counts": dict(counts)}
     if group.size() > 1:
         hidden = text_config["hidden_size"]
         comm.update(allsum_latency(group, hidden, _activation_dtype(model)))

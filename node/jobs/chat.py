@@ -157,13 +157,14 @@ class TurnCache:
         the next turn."""
         from node.jobs.diskcache import agree_min
 
-        offset = _offset(self.cache)
-        keep = offset is not None and _nbytes(self.cache) <= self.budget
-        if not agree_min(int(keep), self.group):
+        cache = self.cache
+        offset = None if cache is None else _offset(cache)
+        keep = cache is not None and offset is not None and _nbytes(cache) <= self.budget
+        if not agree_min(int(keep), self.group) or cache is None or offset is None:
             self.cache, self.tokens = None, []
             return
         self.tokens = (tokens + generated)[:offset]
-        draft = self.cache[self.layers :]
+        draft = cache[self.layers :]
         if draft:  # the proposer's cache must hold the same tokens as the model's
             held = _offset(draft) or 0
             if held > offset:  # its last proposals, rejected
@@ -227,6 +228,7 @@ def run_chat(job: Job) -> None:
         else memory_left(spec.ranks_on_host) / 2  # as serve's kept caches
     )
     cache = TurnCache(loaded.model, budget, speculation and speculation.proposer, disk, group)
+    said: list[str] = []  # rank 0: this turn's text, once the user wrote it
     if rank0:
         inp = Input(launcher_input())
         conversation = Conversation(loaded.tokenizer, spec.request.template)
@@ -239,16 +241,15 @@ def run_chat(job: Job) -> None:
             emit(Notice(message))
 
         def next_request() -> SharedRequest | None:
-            nonlocal user
             emit(AwaitingInput())
             with progress.waiting():  # the user thinking is not a stalled collective
                 user = next_turn(inp, conversation, notice)
             if user is None:
                 return None
+            said.append(user)
             return shared_request(loaded.tokenizer, spec.request, conversation.tokens_for(user))
 
     while True:
-        user = None
         request = share_typed(SharedRequest, next_request if rank0 else None, group,
                               "prepare the turn")  # fmt: skip
         if request is None:
@@ -274,6 +275,7 @@ def run_chat(job: Job) -> None:
         cache.save(request.tokens, answer.tokens)
         cache.done(request.tokens, answer.tokens)
         if rank0:
-            write("\n")
-            conversation.add(user, answer.text)
+            if write is not None:
+                write("\n")
+            conversation.add(said.pop(), answer.text)
             emit(Stats(**answer.stats))

@@ -47,6 +47,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from node.rank.dist import control_stream
+from node.rank.numbers import host_int
 
 BLOCK_TOKENS = 256
 FORMAT = "2"
@@ -598,16 +599,15 @@ def open_disk_cache(loaded, spec, group, log: Callable[[str], None],
 
     layers = local_layers(make_prompt_cache(loaded.model))
     root = Path(spec.prompt_cache_dir).expanduser() if spec.prompt_cache_dir else default_root()
-    ok = layers is not None
-    if not ok:
+    if layers is None:
         log("disk prompt cache: this model's caches are not plain KV caches; off")
     disk = None
-    if ok:
+    if layers is not None:
         try:
             store, _ = open_store(root)
             q = spec.kv_quant
-            key = plan_key(weights=weights_fingerprint(loaded.path, store),
-                           versions=[mx.__version__, mlx_lm.__version__],
+            versions = [getattr(mx, "__version__", ""), getattr(mlx_lm, "__version__", "")]
+            key = plan_key(weights=weights_fingerprint(loaded.path, store), versions=versions,
                            family=loaded.config["model_type"], mode=spec.mode,
                            ranks=spec.world_size, rank=group.rank(), layers=layers,
                            split=spec.split, split_weights=spec.split_weights,
@@ -619,7 +619,7 @@ def open_disk_cache(loaded, spec, group, log: Callable[[str], None],
             warn(f"disk prompt cache off: {e}")
         except OSError as e:
             warn(f"disk prompt cache off: cannot use {root} ({e})")
-    if not agree_min(int(disk is not None), group):
+    if not agree_min(int(disk is not None), group) or disk is None:
         return None
     log(f"disk prompt cache: {disk.folder} (at most {spec.prompt_cache_disk_gb:g} GB in "
         f"{disk.store})")  # fmt: skip
@@ -637,4 +637,4 @@ def agree_min(n: int, group) -> int:
         return n
     slots = mx.zeros((group.size(),), dtype=mx.int32)
     slots[group.rank()] = n
-    return int(mx.distributed.all_sum(slots, group=group, stream=control_stream()).min().item())
+    return host_int(mx.distributed.all_sum(slots, group=group, stream=control_stream()).min())

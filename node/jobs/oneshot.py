@@ -21,6 +21,8 @@ def run_oneshot(job: Job) -> dict | None:
     spec, loaded, emit, write = job.spec, job.loaded, job.emit, job.write
     make = (lambda: make_job_request(loaded, spec.request, spec.command)) if job.rank0 else None
     request = share_typed(SharedRequest, make, job.group, "prepare the request")
+    if request is None:  # rank 0 always makes one
+        raise RuntimeError("rank 0 shared no request")
     report = (lambda done, total: emit(Prefill(done, total))) if job.rank0 else None
     if spec.command == "logits":  # the prompt's logits, then the text, in one JSON line
         emit(Phase("generating", prompt_tokens=len(request.tokens)))

@@ -1,6 +1,6 @@
 """`mlx-cluster serve`, the ranks' side: rank 0 schedules, every rank decodes in lockstep.
 
-The HTTP API lives in the launcher (cluster/serve/http.py), so that it outlives the ranks. The
+The HTTP API in_batch in the launcher (cluster/serve/http.py), so that it outlives the ranks. The
 launcher sends rank 0 each request as one JSON line on its channel (stdin, through
 node.rank.watchdog's watcher): ``{"op": "request", ...}`` (a cluster.core.spec.ServeRequest) or
 ``{"op": "cancel", "id": ...}``; END_OF_INPUT asks for a drain. Rank 0 answers with events:
@@ -12,7 +12,7 @@ a template that does not render).
 Rank 0's main thread turns requests into prompt tokens and, once a round, shares an order with
 the other ranks (share_object, plain JSON: nothing from the network is ever unpickled): which
 requests join the batch, which leave it. Every rank applies it to the same mlx-lm
-BatchGenerator (node/batch.py), so all decode the batch in lockstep; between requests the
+BatchGenerator (node/jobs/batch.py), so all decode the batch in lockstep; between requests the
 other ranks wait in share_object, and an idle rank 0 meets them every PING_S.
 """
 
@@ -57,8 +57,9 @@ MEMORY_EVERY_S = 5.0  # each rank reports its peak memory this often (the API's 
 
 
 @dataclass
-class Ticket:
-    """Rank 0's view of one request, from its line to its end."""
+class Flight:
+    """Rank 0's side of a request's flight, from its line to its end (the launcher's side:
+    cluster.serve.service.Flight)."""
 
     request: ServeRequest
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -70,20 +71,20 @@ class Ticket:
 class Inbox:
     """Rank 0's channel from the launcher, read on a thread: requests go to ``prepare`` (on a
     thread of its own: templates and tokenization never run on the decode loop), cancels onto
-    their tickets, END_OF_INPUT (or the end of the channel) into ``draining`` once every request
+    their flights, END_OF_INPUT (or the end of the channel) into ``draining`` once every request
     before it is prepared."""
 
     def __init__(self, stream: IO[bytes], log: Callable[[str], None], prepare=None,
                  failed: Callable[[str, str], None] = lambda request, why: None):  # fmt: skip
-        self.tickets: queue.Queue[Ticket | None] = queue.Queue()  # prepared; None wakes the loop
-        self.known: dict[str, Ticket] = {}  # not yet ended, by id
+        self.flights: queue.Queue[Flight | None] = queue.Queue()  # prepared; None wakes the loop
+        self.known: dict[str, Flight] = {}  # not yet ended, by id
         self.draining = threading.Event()
-        self.prepared_all = threading.Event()  # every request before the drain is in ``tickets``
+        self.prepared_all = threading.Event()  # every request before the drain is in ``flights``
         self.log = log
-        # a Ticket -> the Ticket ready to schedule, or None
-        self.prepare = prepare or (lambda ticket: ticket)
+        # a Flight -> the Flight ready to schedule, or None
+        self.prepare = prepare or (lambda flight: flight)
         self.failed = failed  # (request id, why): its answer is an error (500)
-        self.lines: queue.Queue[Ticket | None] = queue.Queue()  # to prepare; None: drain
+        self.lines: queue.Queue[Flight | None] = queue.Queue()  # to prepare; None: drain
         self.stream = stream  # held: its descriptor must stay ours while the reader reads it
         fd = stream.fileno()
         threading.Thread(target=self.read, args=(fd,), daemon=True, name="inbox").start()
@@ -123,8 +124,8 @@ class Inbox:
         try:
             message = json.loads(line)
             if message.get("op") == "cancel":
-                if ticket := self.known.get(message["id"]):
-                    ticket.cancel.set()
+                if flight := self.known.get(message["id"]):
+                    flight.cancel.set()
                 return
             request = from_dict(ServeRequest, message["request"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -132,30 +133,30 @@ class Inbox:
             return
         if self.draining.is_set():
             return  # the launcher sends nothing after END_OF_INPUT
-        ticket = Ticket(request)
-        self.known[request.id] = ticket
-        self.lines.put(ticket)
+        flight = Flight(request)
+        self.known[request.id] = flight
+        self.lines.put(flight)
 
     def prepare_all(self) -> None:
-        while (ticket := self.lines.get()) is not None:
-            if ticket.cancel.is_set():
-                self.ended(ticket)
+        while (flight := self.lines.get()) is not None:
+            if flight.cancel.is_set():
+                self.ended(flight)
                 continue
             try:
-                ready = self.prepare(ticket)
+                ready = self.prepare(flight)
             except Exception as e:  # a bug in preparing must not end the thread, nor the request
-                self.log(f"serve: could not prepare request {ticket.request.id}: {e!r}")
-                self.failed(ticket.request.id, f"rank 0 could not prepare it ({type(e).__name__})")
+                self.log(f"serve: could not prepare request {flight.request.id}: {e!r}")
+                self.failed(flight.request.id, f"rank 0 could not prepare it ({type(e).__name__})")
                 ready = None
             if ready is None:
-                self.ended(ticket)
+                self.ended(flight)
             else:
-                self.tickets.put(ready)
+                self.flights.put(ready)
         self.prepared_all.set()
-        self.tickets.put(None)
+        self.flights.put(None)
 
-    def ended(self, ticket: Ticket) -> None:
-        self.known.pop(ticket.request.id, None)
+    def ended(self, flight: Flight) -> None:
+        self.known.pop(flight.request.id, None)
 
 
 def prompt_of(request: ServeRequest, tokenizer) -> list[int]:
@@ -178,7 +179,7 @@ def constrained(tokenizer, r: ServeRequest, tokens: list[int]) -> Grammar:
     try:
         return shared_grammar(tokenizer, r.constraint, r.template.tools, tokens)
     except GrammarError as e:
-        raise Refusal(f"'{r.constraint.source}': {e}") from None
+        raise Refusal(f"'{r.constraint.source if r.constraint else 'constraint'}': {e}") from None
 
 
 def needed(shared: SharedRequest) -> int:
@@ -233,7 +234,7 @@ class Admission:
                 else ("the model's context")
             )
             raise Refusal(f"the prompt is {n} tokens, over {whose} ({most})")
-        changes = {}
+        changes: dict[str, Any] = {}
         if self.context:
             left = self.context - n
             if left < 1:
@@ -261,10 +262,10 @@ class Admission:
 
 
 @dataclass
-class Live:
+class InBatch:
     """Rank 0's view of one request in the batch."""
 
-    ticket: Ticket
+    flight: Flight
     detokenizer: Any
     text: AnswerText
     prompt_n: int
@@ -285,15 +286,15 @@ class Scheduler:
     batched."""
 
     def __init__(self, tokenizer, emit, batched: bool, drain_timeout: float, admission: Admission):
-        self.inbox: Inbox | None = None  # set by ``listen``
+        self._inbox: Inbox | None = None  # set by ``listen``
         self.tokenizer = tokenizer
         self.admission = admission
         self.emit = emit
         self.batched = batched
         self.drain_timeout = drain_timeout
-        self.waiting: deque[tuple[Ticket, dict]] = deque()
-        self.inserting: list[tuple[Ticket, dict]] = []  # in the order just shared
-        self.lives: dict[int, Live] = {}
+        self.waiting: deque[tuple[Flight, SharedRequest]] = deque()
+        self.inserting: list[tuple[Flight, SharedRequest]] = []  # in the order just shared
+        self.in_batch: dict[int, InBatch] = {}
         self.removals: list[int] = []
         self.drain_deadline: float | None = None
         self.reserved = 0  # tokens of KV the requests in the batch may come to hold
@@ -302,21 +303,32 @@ class Scheduler:
         self.inbox = Inbox(stream, log, self.prepare,
                            lambda rid, why: self.emit(Refused(rid, 500, why)))  # fmt: skip
 
-    def piece(self, ticket: Ticket, text: str) -> None:
-        ticket.parts.feed(text)
+    @property
+    def inbox(self) -> Inbox:
+        if self._inbox is None:
+            raise RuntimeError("the scheduler has no inbox: listen() first")
+        return self._inbox
 
-    def logprobs(self, ticket: Ticket, response) -> None:
+    @inbox.setter
+    def inbox(self, inbox: Inbox) -> None:
+        self._inbox = inbox
+
+    def piece(self, flight: Flight, text: str) -> None:
+        if flight.parts is not None:  # set when it was prepared
+            flight.parts.feed(text)
+
+    def logprobs(self, flight: Flight, response) -> None:
         """Rank 0 keeps a token's logprobs when its request asked for them."""
-        top = ticket.request.logprobs
-        if top is not None and response.logprobs is not None:
-            ticket.parts.token(
+        top = flight.request.logprobs
+        if top is not None and response.logprobs is not None and flight.parts is not None:
+            flight.parts.token(
                 token_logprobs(self.tokenizer, response.token, response.logprobs, top)
             )
 
-    def prepare(self, ticket: Ticket) -> Ticket | None:
+    def prepare(self, flight: Flight) -> Flight | None:
         """On the inbox's prepare thread: the request's tokens and its shared settings
-        (``ticket.shared``), or its refusal or count sent back (None)."""
-        r = ticket.request
+        (``flight.shared``), or its refusal or count sent back (None)."""
+        r = flight.request
         try:
             tokens = prompt_of(r, self.tokenizer)
             if not tokens:
@@ -328,44 +340,45 @@ class Scheduler:
             self.emit(Counted(r.id, len(tokens)))
             return None
         try:
-            ticket.shared = self.admission.request(tokens, r.sampling)
+            shared = self.admission.request(tokens, r.sampling)
             if r.constraint is not None:
-                ticket.shared.grammar = constrained(self.tokenizer, r, tokens)
-            ticket.shared.cache_key = r.cache_key
-            ticket.size = shared_size(ticket.shared)
+                shared.grammar = constrained(self.tokenizer, r, tokens)
+            shared.cache_key = r.cache_key
+            flight.shared, flight.size = shared, shared_size(shared)
         except Refusal as e:
             self.emit(Refused(r.id, 400, str(e)))
             return None
-        ticket.parts = Parts(r.id, self.tokenizer, r.template.tools, r.kind == "chat", self.emit)
-        return ticket
+        flight.parts = Parts(r.id, self.tokenizer, r.template.tools, r.kind == "chat", self.emit)
+        return flight
 
-    def take(self, ticket: Ticket | None) -> None:
+    def take(self, flight: Flight | None) -> None:
         """A prepared request into the waiting line."""
-        if ticket is None:  # a wake-up (drain)
+        if flight is None:  # a wake-up (drain)
             return
-        if ticket.cancel.is_set():
-            return self.inbox.ended(ticket)
-        self.waiting.append((ticket, ticket.shared))
+        if flight.cancel.is_set() or flight.shared is None:
+            self.inbox.ended(flight)
+            return
+        self.waiting.append((flight, flight.shared))
 
     def order(self, live: int) -> Order | None:
         """The next order for every rank: an empty one is a ping (nothing to do, all still
         here), None means go on as before. Blocks while there is nothing to do."""
         inbox = self.inbox
         if not live and not self.waiting:
-            if inbox.prepared_all.is_set() and inbox.tickets.empty():
+            if inbox.prepared_all.is_set() and inbox.flights.empty():
                 return Order(quit=True)
             try:
-                self.take(inbox.tickets.get(timeout=PING_S))
+                self.take(inbox.flights.get(timeout=PING_S))
             except queue.Empty:
                 return Order()
         while True:
             try:
-                self.take(inbox.tickets.get_nowait())
+                self.take(inbox.flights.get_nowait())
             except queue.Empty:
                 break
         self.cut_drain()
-        for uid, one in list(self.lives.items()):  # a client gone while its prompt prefills
-            if one.first is None and one.ticket.cancel.is_set():
+        for uid, one in list(self.in_batch.items()):  # a client gone while its prompt prefills
+            if one.first is None and one.flight.cancel.is_set():
                 self.finish(uid, one, "cancelled")
         order = Order(remove=self.removals)
         self.removals = []
@@ -373,23 +386,23 @@ class Scheduler:
         size = tokens = 0
         room = self.admission.kv_room
         while self.waiting:
-            ticket, request = self.waiting[0]
-            if ticket.cancel.is_set():
+            flight, request = self.waiting[0]
+            if flight.cancel.is_set():
                 self.waiting.popleft()
-                self.inbox.ended(ticket)
+                self.inbox.ended(flight)
                 continue
-            if not self.batched or ticket.request.seeded:
+            if not self.batched or flight.request.seeded:
                 if live or insert or order.remove:
                     break  # alone: once the batch is empty
                 self.waiting.popleft()
-                self.inserting = [(ticket, request)]
+                self.inserting = [(flight, request)]
                 return Order(single=request)
-            if insert and size + ticket.size > ORDER_BYTES:
+            if insert and size + flight.size > ORDER_BYTES:
                 break  # the rest join at the next round: one order stays far under the limit
             need = needed(request)
             if room is not None and (live or insert) and self.reserved + tokens + need > room:
                 break  # it waits until answers under way end and leave memory for it
-            size += ticket.size
+            size += flight.size
             tokens += need
             insert.append(request)
             self.inserting.append(self.waiting.popleft())
@@ -404,10 +417,10 @@ class Scheduler:
             self.drain_deadline = time.monotonic() + self.drain_timeout
         if time.monotonic() < self.drain_deadline:
             return
-        for uid, one in list(self.lives.items()):
+        for uid, one in list(self.in_batch.items()):
             self.finish(uid, one, "cancelled")
-        for ticket, _ in self.waiting:
-            self.emit(Refused(ticket.request.id, 503, "the server is shutting down"))
+        for flight, _ in self.waiting:
+            self.emit(Refused(flight.request.id, 503, "the server is shutting down"))
         self.waiting.clear()
 
     def bind(self, joined: list[tuple[int | None, int, str | None]],
@@ -416,58 +429,59 @@ class Scheduler:
         failed), in order; ``from_disk``: uid -> of those, read from disk. One that failed on
         the ranks is answered with a 500 alone."""
         now = time.perf_counter()
-        for (uid, cached, failed), (ticket, request) in zip(joined, self.inserting, strict=True):
+        for (uid, cached, failed), (flight, request) in zip(joined, self.inserting, strict=True):
             if failed is not None:
-                self.failed(ticket, failed)
+                self.failed(flight, failed)
                 continue
             text = answer_text(self.tokenizer, request)
             if text.opening:
-                self.piece(ticket, text.start())
-            self.lives[uid] = Live(ticket, self.tokenizer.detokenizer, text,
+                self.piece(flight, text.start())
+            assert uid is not None  # joined: a uid; failed: a reason
+            self.in_batch[uid] = InBatch(flight, self.tokenizer.detokenizer, text,
                                    len(request.tokens), now, cached,
                                    (from_disk or {}).get(uid, 0), need=needed(request))  # fmt: skip
-            self.reserved += self.lives[uid].need
+            self.reserved += self.in_batch[uid].need
         self.inserting = []
 
     def prefill_progress(self, prefilling: dict[int, tuple[int, int]]) -> None:
         """How far each request being prefilled has come (/health shows it)."""
         for uid, (done, total) in prefilling.items():
-            one = self.lives.get(uid)
+            one = self.in_batch.get(uid)
             if one is not None and done:
-                self.emit(Prefill(done + one.cached, total + one.cached, one.ticket.request.id))
+                self.emit(Prefill(done + one.cached, total + one.cached, one.flight.request.id))
 
-    def failed(self, ticket: Ticket, why: str) -> None:
-        self.emit(Refused(ticket.request.id, 500, f"the request failed on the ranks ({why}); "
+    def failed(self, flight: Flight, why: str) -> None:
+        self.emit(Refused(flight.request.id, 500, f"the request failed on the ranks ({why}); "
                                                "the server goes on"))  # fmt: skip
-        self.inbox.ended(ticket)
+        self.inbox.ended(flight)
 
     def on_token(self, r) -> None:
         """One generated token of one request: its text to the client, its end if it ends."""
-        one = self.lives.get(r.uid)
+        one = self.in_batch.get(r.uid)
         if one is None:
             return
         now = time.perf_counter()
         one.first = one.first or now
         one.last, one.n = now, one.n + 1
-        self.logprobs(one.ticket, r)
+        self.logprobs(one.flight, r)
         if r.finish_reason != "stop":  # an end-of-sequence token has no text
             one.detokenizer.add_token(r.token)
         if r.finish_reason is not None:
             one.detokenizer.finalize()
         shown, hit = one.text.feed(one.detokenizer.last_segment)
-        self.piece(one.ticket, shown)
+        self.piece(one.flight, shown)
         if hit:
             self.finish(r.uid, one, "stop")
         elif r.finish_reason is not None:
-            self.piece(one.ticket, one.text.finish())
+            self.piece(one.flight, one.text.finish())
             self.finish(r.uid, one, r.finish_reason, ended=True)
-        elif one.ticket.cancel.is_set():
+        elif one.flight.cancel.is_set():
             self.finish(r.uid, one, "cancelled")
 
-    def finish(self, uid: int, one: Live, reason: str, ended: bool = False) -> None:
+    def finish(self, uid: int, one: InBatch, reason: str, ended: bool = False) -> None:
         """The request's answer is complete; unless the generator ended it, every rank drops
         it at the next order."""
-        del self.lives[uid]
+        del self.in_batch[uid]
         self.reserved -= one.need
         if not ended:
             self.removals.append(uid)
@@ -484,15 +498,15 @@ class Scheduler:
             one.text.stop.hit,
             one.from_disk,
         )
-        self.answered(one.ticket, stats)
+        self.answered(one.flight, stats)
 
-    def answered(self, ticket: Ticket, stats: dict) -> None:
+    def answered(self, flight: Flight, stats: dict) -> None:
         """The end of an answer: what its parts still hold, then its stats (a tool call
         that ended the answer makes it finish with "tool_calls", as OpenAI's do)."""
-        if ticket.parts.finish() and stats["finish_reason"] == "stop":
+        if flight.parts is not None and flight.parts.finish() and stats["finish_reason"] == "stop":
             stats = {**stats, "finish_reason": "tool_calls"}
-        self.emit(Stats(**stats, request=ticket.request.id))
-        self.inbox.ended(ticket)
+        self.emit(Stats(**stats, request=flight.request.id))
+        self.inbox.ended(flight)
 
 
 def cache_budget(gb: float | None, left: float) -> tuple[float, float]:
@@ -552,7 +566,6 @@ def run_serve(job: Job) -> None:
                                             job.disk)  # fmt: skip
     import mlx.core as mx
 
-    from node.decode.loop import generate
     from node.decode.prefill import PREFILL_STEP
     from node.jobs.batch import Lockstep, batchable
     from node.rank.memory import memory_left
@@ -568,6 +581,8 @@ def run_serve(job: Job) -> None:
                           options.prompt_cache_size, spec.prompt_cache_gb)  # fmt: skip
 
     agreed = share_typed(ServeSetup, setup if rank0 else None, group, "start serving")
+    if agreed is None:  # rank 0 always makes one
+        raise RuntimeError("rank 0 shared no serve setup")
     mx.random.seed(agreed.seed)
     batched = batchable(loaded.model)
     vocab = Admission.of(loaded.config, options).vocab or loaded.tokenizer.vocab_size
@@ -595,7 +610,7 @@ def run_serve(job: Job) -> None:
         if batched
         else None
     )
-    scheduler = None
+    scheduler = None  # rank 0's; rank 0 alone decides what every rank does
     if rank0:
         admission = Admission.of(loaded.config, options)
         admission.kv_room = room
@@ -610,8 +625,8 @@ def run_serve(job: Job) -> None:
             memory_at = time.monotonic()
             io = (None, None) if disk is None else (disk.stats.bytes_read, disk.stats.bytes_written)
             emit(Memory(mx.get_peak_memory() / 1e9, *io))
-        order = scheduler.order(live) if rank0 else None
-        if rank0 and batch is not None:
+        order = scheduler.order(live) if scheduler is not None else None
+        if scheduler is not None and batch is not None:
             joining = [len(r.tokens) for r in order.insert] if order is not None else []
             step = batch.next_prefill_step(joining)
             if step is not None:
@@ -622,43 +637,58 @@ def run_serve(job: Job) -> None:
             if order.quit:
                 break
             if order.single is not None:
-                ticket = scheduler.inserting[0][0] if rank0 else None
-                try:
-                    tried(order.single, vocab)
-                except RequestFailed as e:  # on every rank alike
-                    if rank0:
-                        scheduler.inserting = []
-                        scheduler.failed(ticket, str(e))
-                    continue
-                answer = generate(
-                    loaded.model,
-                    loaded.tokenizer,
-                    order.single,
-                    functools.partial(scheduler.piece, ticket) if rank0 else None,
-                    group,
-                    cancelled=ticket.cancel.is_set if rank0 else None,
-                    cancellable=True,
-                    on_response=functools.partial(scheduler.logprobs, ticket) if rank0 else None,
-                    speculation=loaded.speculation,
-                    on_prefill=(
-                        lambda d, t, r=ticket: emit(Prefill(d, t, r.request.id)) if d else None
-                    )
-                    if rank0
-                    else None,
-                )
-                if rank0:
-                    scheduler.inserting = []
-                    scheduler.answered(ticket, answer.stats)
+                decode_alone(order.single, scheduler, loaded, group, vocab, emit)
                 continue
-            joined = batch.apply(order)
-            if rank0:
-                scheduler.bind(joined, batch.from_disk)
+            if batch is not None:  # not batched: every request comes alone, the rest are pings
+                joined = batch.apply(order)
+                if scheduler is not None:
+                    scheduler.bind(joined, batch.from_disk)
         if batch is not None:
-            batch.round(scheduler.on_token if rank0 else None)
+            batch.round(scheduler.on_token if scheduler is not None else None)
             live = len(batch.live)
-            if rank0:
+            if scheduler is not None:
                 scheduler.prefill_progress(batch.prefilling)
     if batch is not None:
         batch.close()
     if disk is not None:
         disk.flush()  # what the last answers left to write, before the ranks end
+
+
+def decode_alone(
+    request: SharedRequest, scheduler: Scheduler | None, loaded, group, vocab: int, emit
+) -> None:
+    """A request decoded alone (it has a seed, or the model's caches cannot be batched), on
+    every rank; rank 0 (``scheduler``) streams its text and ends it."""
+    from node.decode.loop import generate
+
+    flight = scheduler.inserting[0][0] if scheduler is not None else None
+    try:
+        tried(request, vocab)
+    except RequestFailed as e:  # on every rank alike
+        if scheduler is not None and flight is not None:
+            scheduler.inserting = []
+            scheduler.failed(flight, str(e))
+        return
+    on_prefill = None
+    if flight is not None:
+        rid = flight.request.id
+
+        def on_prefill(done: int, total: int) -> None:
+            if done:
+                emit(Prefill(done, total, rid))
+
+    answer = generate(
+        loaded.model,
+        loaded.tokenizer,
+        request,
+        functools.partial(scheduler.piece, flight) if scheduler and flight else None,
+        group,
+        cancelled=flight.cancel.is_set if flight is not None else None,
+        cancellable=True,
+        on_response=functools.partial(scheduler.logprobs, flight) if scheduler and flight else None,
+        speculation=loaded.speculation,
+        on_prefill=on_prefill,
+    )
+    if scheduler is not None and flight is not None:
+        scheduler.inserting = []
+        scheduler.answered(flight, answer.stats)

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from cluster.core.modelcheck import ModelError
 from cluster.core.spec import Draft
+from node.rank.numbers import host_ints
 
 NO_MATCH = -1
 
@@ -95,7 +96,7 @@ class PromptLookup:
 
     def __call__(self, inputs: mx.array, cache: list[TokenHistory]) -> mx.array:
         history = cache[0]
-        history.extend(inputs.reshape(-1).tolist())
+        history.extend(host_ints(inputs.reshape(-1)))
         guess = self.propose(history)
         logits = mx.full((1, 1, self.vocab_size), -1e9, dtype=mx.float32)
         logits[0, 0, guess] = 0.0
@@ -167,6 +168,8 @@ def load_draft(draft: Draft, loaded, group) -> Speculation:
         return Speculation(
             SharedDraft(None, group, vocab_size(loaded.model)), draft.num_draft_tokens
         )
+    if draft.draft_model is None:
+        raise ModelError("speculative decoding needs --draft-model or a prompt-lookup proposer")
     path = resolve_model(draft.draft_model)
     if not (path / "config.json").exists():
         raise ModelError(
@@ -183,5 +186,7 @@ def load_draft(draft: Draft, loaded, group) -> Speculation:
         )
     mx.eval(draft_model.parameters())
     if shared:
-        draft_model = SharedDraft(draft_model, group, vocab_size(loaded.model))
+        return Speculation(
+            SharedDraft(draft_model, group, vocab_size(loaded.model)), draft.num_draft_tokens
+        )
     return Speculation(draft_model, draft.num_draft_tokens)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -51,7 +51,7 @@ class Loaded:
     files: list[str]  # weight files this rank opened
     processor: Any = None  # mlx-vlm's processor, for vision-language models
     speculation: Any = None  # node.draft.Speculation: the proposer, the same on every rank
-    path: Path | None = None  # the checkpoint's folder on this host
+    path: Path = field(default_factory=Path)  # the checkpoint's folder on this host
 
 
 def resolve_model(ref: str, allow_patterns: list[str] | None = None) -> Path:
@@ -108,11 +108,11 @@ def recording_loads(names: set[str]):
         names.update(name for name, _ in weights)
         return original(self, weights, strict=strict)
 
-    nn.Module.load_weights = load_weights
+    nn.Module.load_weights = load_weights  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Module.load_weights = original
+        nn.Module.load_weights = original  # type: ignore[method-assign]
 
 
 def check_complete(
@@ -126,7 +126,7 @@ def check_complete(
     must have come from the weight files; name the missing ones otherwise."""
     start, end = layers
     missing = []
-    for name, _ in tree_flatten(model.parameters()):
+    for name, _ in named_arrays(model):
         m = layer_re.search(name)
         if (m is None or start <= int(m.group(1)) < end) and name not in loaded:
             missing.append(name)
@@ -145,19 +145,23 @@ def materialize(model: nn.Module) -> None:
     """Read the weights one array at a time. A tensor rank's slices are cut from whole tensors
     read from disk; evaluating them all at once would hold every whole tensor at the same
     moment, and the rank's peak would be the full model's."""
-    for _, array in tree_flatten(model.parameters()):
+    for _, array in named_arrays(model):
         mx.eval(array)
 
 
+def named_arrays(model: nn.Module) -> list[tuple[str, mx.array]]:
+    """The model's parameters by dotted name (tree_flatten's list form)."""
+    return cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+
+
 def shard_for_tensor(model: nn.Module, plan: TensorPlan, weights, group) -> None:
-    """Our sharding by layer role (node/tensor.py) where it knows every layer; else mlx-lm's
+    """Our sharding by layer role (node/model/tensor.py) where it knows every layer; else mlx-lm's
     own shard() (deepseek_v3's latent attention), which splits evenly only."""
     layers = getattr(model, "layers", None)
-    if not isinstance(layers, list) or not layers:
-        problem = "it has no list of layers"
-    else:
+    problem: str | None = "it has no list of layers"
+    if isinstance(layers, list) and layers:
         problem = next((p for p in map(layer_problem, layers) if p), None)
-    if problem is None:
+    if problem is None and layers:
         shard_tensor(layers, plan, group)
         return
     family = type(model).__module__.rsplit(".", 1)[-1]
@@ -229,6 +233,7 @@ def load_shard(
     check_complete(model, loaded_names, layers or (0, 10**9), model_dir, layer_re)
 
     if size > 1 and mode == "tensor":
+        assert plan is not None  # check_mode plans tensor mode
         shard_for_tensor(model.language_model if vlm else model, plan, weights, group)
     elif size > 1:
         text_model = model.language_model if vlm else model
@@ -245,7 +250,7 @@ def load_shard(
     materialize(model)
     model.eval()
 
-    if vlm:
+    if processor is not None:
         tokenizer = processor.tokenizer
     else:
         tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))

@@ -196,10 +196,11 @@ def apply_stages(
         layers[i] = layer
 
     family_cache = getattr(model, "make_cache", None)
+    default_cache: Any = KVCache
     if vlm_cache:
-        from mlx_vlm.models.cache import KVCache as default_cache
-    else:
-        default_cache = KVCache
+        from mlx_vlm.models.cache import KVCache as VisionKVCache
+
+        default_cache = VisionKVCache
 
     def make_cache():
         caches = family_cache() if family_cache else [default_cache() for _ in layers]

@@ -103,15 +103,23 @@ def output_dims(module: nn.Module) -> int:
 
 
 def head_dim(attn: nn.Module) -> int:
-    n_heads = getattr(attn, first_attr(attn, HEADS))
+    n_heads = getattr(attn, attr_of(attn, HEADS))
     if "qkv_proj" in children(attn):
-        n_kv = getattr(attn, first_attr(attn, KV_HEADS))
+        n_kv = getattr(attn, attr_of(attn, KV_HEADS))
         return output_dims(attn.qkv_proj) // (n_heads + 2 * n_kv)
     return output_dims(attn.q_proj) // n_heads
 
 
 def first_attr(module: nn.Module, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if isinstance(getattr(module, n, None), int)), None)
+
+
+def attr_of(module: nn.Module, names: tuple[str, ...]) -> str:
+    """The first of ``names`` the module has as an int (layer_problem checked it is there)."""
+    name = first_attr(module, names)
+    if name is None:
+        raise ModelError(f"{type(module).__name__} has none of {', '.join(names)}")
+    return name
 
 
 def children(module: nn.Module) -> dict[str, nn.Module]:
@@ -124,7 +132,7 @@ def children(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def shard_attention(attn: nn.Module, plan: TensorPlan, rank: int, group) -> None:
-    heads_name, kv_name = first_attr(attn, HEADS), first_attr(attn, KV_HEADS)
+    heads_name, kv_name = attr_of(attn, HEADS), attr_of(attn, KV_HEADS)
     fused = "qkv_proj" in children(attn)
     n_heads, n_kv = getattr(attn, heads_name), getattr(attn, kv_name)
     dim = head_dim(attn)

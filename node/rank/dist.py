@@ -6,15 +6,16 @@ import mlx.core as mx
 
 from cluster.core.backends import BACKENDS, RING, Backend
 from cluster.core.modelcheck import SetupError
+from node.rank.numbers import host_float
 
 _joined: Backend = RING  # the backend this process joined: MLX joins one group per process
 
 
-def control_stream() -> mx.Stream | mx.Device:
+def control_stream() -> mx.Device:
     """Where the small collectives (shared requests, stop flags, barriers) run: the CPU, so
     they never queue behind the model's work, except over a backend whose collectives run on
     the GPU's streams only (nccl)."""
-    return mx.gpu if _joined.collectives_on_gpu else mx.cpu
+    return mx.Device(mx.gpu if _joined.collectives_on_gpu else mx.cpu)
 
 
 def init_group(world_size: int, backend: str) -> mx.distributed.Group:
@@ -50,4 +51,4 @@ def rank0_stopped(stopped: bool, group, gen_stream) -> bool:
     mx.synchronize(gen_stream)
     flag = mx.array(1.0 if stopped else 0.0)
     flag = mx.distributed.all_sum(flag, group=group, stream=control_stream())
-    return flag.item() > 0
+    return host_float(flag) > 0

@@ -13,11 +13,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import cast
 
 import mlx.core as mx
 
 from cluster.core.backends import BACKENDS
 from cluster.core.protocol import LinkReport
+from node.rank.numbers import host_float, host_int
 
 LINK_REPS = 30
 SMALL, MEDIUM, LARGE = 4, 8192, 64 * 2**20  # bytes
@@ -57,7 +59,7 @@ def _one_way(peer: int, first: bool, group, seed: int, large: int) -> tuple[floa
         mx.eval(mx.distributed.send(x, peer, group=group))
         bad = mx.distributed.recv_like(ack, peer, group=group)
         mx.eval(bad)
-        return time.perf_counter() - tic, int(bad.item())
+        return time.perf_counter() - tic, host_int(bad)
     got = mx.distributed.recv_like(x, peer, group=group)
     bad = mx.sum(got != x).astype(mx.uint32).reshape(1)
     mx.eval(mx.distributed.send(bad, peer, group=group))
@@ -99,7 +101,7 @@ def allsum_checks(group) -> dict[str, float]:
     base = (pattern(MEDIUM * 16, seed=7).astype(mx.int32) % 1000).astype(mx.int32)
     total = mx.distributed.all_sum(base * (rank + 1), group=group)
     want = base * (n * (n + 1) // 2)
-    out["allsum_bad_words"] = float(mx.sum(total != want).item())
+    out["allsum_bad_words"] = host_float(mx.sum(total != want))
     return out
 
 
@@ -121,6 +123,6 @@ def run_links(group, backend: str, emit: Callable, large: int = LARGE) -> None:
     if rank == 0:
         links = [
             {"a": a, "b": b, **dict(zip(FIELDS, map(float, r), strict=True))}
-            for (a, b), r in zip(pairs, totals.tolist(), strict=True)
+            for (a, b), r in zip(pairs, cast(list[list[float]], totals.tolist()), strict=True)
         ]
         emit(LinkReport(links=links, **checks, pattern_bytes=large))

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
 
 from cluster.core.spec import Order, from_dict, to_dict
 from node.rank.dist import control_stream
+from node.rank.numbers import host_ints
 
 T = TypeVar("T")
 
@@ -125,7 +126,7 @@ def share_object(
                 status = [ENCODE_FAILED, 0]
                 encode_error = e
     header = _all_sum(mx.array(status if rank == 0 else [0, 0], dtype=mx.int64), group)
-    size, detail = header.tolist()
+    size, detail = host_ints(header)
     if size == TOO_LARGE:
         raise ShareError(
             f"share_object: the object is {detail} bytes, over the limit of {max_bytes} bytes"
@@ -136,7 +137,7 @@ def share_object(
     if size == 0:
         return None
 
-    out = bytearray(size) if rank != 0 else None
+    out = bytearray(size if rank != 0 else 0)
     for start in range(0, size, CHUNK_BYTES):
         n = min(CHUNK_BYTES, size - start)
         if rank == 0:
@@ -145,15 +146,15 @@ def share_object(
             chunk = mx.zeros((n,), dtype=mx.uint8)
         received = _all_sum(chunk, group)
         if rank != 0:
-            out[start : start + n] = memoryview(received)
+            out[start : start + n] = memoryview(cast(Any, received))
     return decode(data if rank == 0 else bytes(out))
 
 
-def share_typed(cls: type[T], make: Callable[[], T] | None, group, what: str) -> T | None:
+def share_typed(cls: type[T], make: Callable[[], T | None] | None, group, what: str) -> T | None:
     """``share_from_rank0`` of a typed message (a cluster.core.spec dataclass: SharedRequest,
     ServeSetup): rank 0's ``make()`` reaches every rank as a ``cls`` (its bytes raw)."""
-    wire = share_from_rank0((lambda: to_dict(make(), raw_bytes=True)) if make else None, group,
-                            what)  # fmt: skip
+    wire = share_from_rank0(None if make is None else lambda: to_dict(make(), raw_bytes=True),
+                            group, what)  # fmt: skip
     return None if wire is None else from_dict(cls, wire)
 
 

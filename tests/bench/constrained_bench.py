@@ -3,7 +3,7 @@ against a 2-rank serve, each stream under a JSON schema or free, in each mode, m
 same run (alternating rounds, median of --repeat), as a ratio. Also the matcher's own time
 per mask for the model's vocabulary.
 
-    python tests/constrained_bench.py --streams 8 --max-tokens 64 --repeat 3
+    python -m tests.bench.constrained_bench --streams 8 --max-tokens 64 --repeat 3
 
 The model: a llama (hidden 512, 8 layers, 8 heads) with a 32,768-token byte-level BPE
 vocabulary trained here on pydoc's topics and Python's own sources (the mask's work grows

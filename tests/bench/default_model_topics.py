@@ -1,9 +1,10 @@
-"""How often the embedded default model answers on topic: every question node/train_default.py
-builds (its names, asked each way), greedy through mlx-lm; an answer is on topic when its first
-8 words are the topic opening's first 8 words. For docs/default-model.md.
+"""How often the embedded default model answers on topic: every question
+tests/tools/train_default.py builds (its names, asked each way), greedy through mlx-lm; an
+answer is on topic when its first 8 words are the topic opening's first 8 words.
+For docs/default-model.md.
 
-    python tests/default_model_topics.py                       # every way of asking
-    python tests/default_model_topics.py "Tell me about {}"    # the ways given, '|' between
+    python -m tests.bench.default_model_topics                       # every way of asking
+    python -m tests.bench.default_model_topics "Tell me about {}"    # the ways given, '|' between
 """
 
 from __future__ import annotations

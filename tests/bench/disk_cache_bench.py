@@ -4,9 +4,9 @@ For each mode: serve with the disk tier on an empty folder answers an N-token pr
 and is stopped; serve started again on the same folder answers the same prompt plus a new
 turn (its prefix read from disk); a serve without the tier answers that second prompt too
 (cold: the baseline, and the text the warm answer must equal). Each rank gets one BLAS thread
-(OPENBLAS_NUM_THREADS=1). The model is tests/stall.py's llama (hidden 576, 8 layers).
+(OPENBLAS_NUM_THREADS=1). The model is tests/bench/stall.py's llama (hidden 576, 8 layers).
 
-    python tests/disk_cache_bench.py --prompt-tokens 8192 --modes pipeline,tensor
+    python -m tests.bench.disk_cache_bench --prompt-tokens 8192 --modes pipeline,tensor
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ mask (mid-answer, one thread). xgrammar is not a dependency (it pulls in torch):
 virtual environment of its own.
 
     python3 -m venv /tmp/xg && /tmp/xg/bin/pip install xgrammar llguidance transformers
-    /tmp/xg/bin/python tests/grammar_engines.py MODEL_DIR   # a folder with tokenizer.json
+    /tmp/xg/bin/python -m tests.bench.grammar_engines MODEL_DIR   # a folder with tokenizer.json
 """
 
 import json

@@ -1,9 +1,9 @@
 """What --kv-bits saves and costs: the KV cache's bytes after a long prompt and the next-token
 logits against the full-precision cache, through mlx-lm's own generate_step (which every rank
 runs: each rank quantizes its own layers' or heads' cache, so a rank holds its share of these
-bytes; the sharded text equals single-process's with the same settings, tests/test_launch.py).
+bytes; the sharded text equals single-process's with the same settings, tests/e2e/test_launch.py).
 
-    python tests/kv_quant_cost.py --tokens 8192
+    python -m tests.bench.kv_quant_cost --tokens 8192
 """
 
 from __future__ import annotations

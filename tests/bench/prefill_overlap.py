@@ -1,11 +1,11 @@
 """Pipeline prefill against one rank: how much the stages overlap, per prefill step and N.
 
 In pipeline mode a stage sends a prefill step's activations on and starts the next step while
-the stage after it works on the one sent (node/stage.py ties the send to the cache). With k
+the stage after it works on the one sent (node/model/stage.py ties the send to the cache). With k
 steps over N stages the ideal is (k + N - 1) / (k N) of one rank's time: more, smaller steps
 overlap better, and each step costs a little (a round trip on a link; a GPU wants big steps).
 
-    python tests/prefill_overlap.py --prompt-tokens 9123 --ranks 2,3 --steps 256,512,1024,2048
+    python -m tests.bench.prefill_overlap --prompt-tokens 9123 --ranks 2,3 --steps 256,512,1024,2048
 
 Each cell is one `mlx-cluster launch --json` (the prompt on stdin, 4 tokens greedy); its time is
 rank 0's prompt_ms (first token after the prompt). With ``--serve``, each cell is a fresh
@@ -15,12 +15,12 @@ client: serve's batched prefill is another code path. Every rank gets one BLAS t
 rank on one thread, runs in the same run. This machine has 2 cores: at 3 ranks two stages
 share a core, so 3-rank cells are bounded by 0.5, not 1/3.
 
-With ``--hostfile`` (e.g. tests/netrig.py's rig: hosts of their own with a shaped link), the
+With ``--hostfile`` (e.g. tests/support/netrig.py's rig: hosts of their own with a shaped link), the
 sharded cells run on its first N hosts, in each of ``--modes``; in tensor mode each prefill
 step's all_sums move step x hidden values per layer, so the step trades messages for size.
 
-    python tests/netrig.py up 2 --rtt 300us --rate 10gbit > /tmp/rig.yaml
-    python tests/prefill_overlap.py --hostfile /tmp/rig.yaml --ranks 2 --modes pipeline,tensor
+    python -m tests.support.netrig up 2 --rtt 300us --rate 10gbit > /tmp/rig.yaml
+    python -m tests.bench.prefill_overlap --hostfile /tmp/rig.yaml --ranks 2 --modes pipeline,tensor
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def ideal(tokens: int, step: int, ranks: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="model directory (default: tests/stall.py's llama)")
+    parser.add_argument("--model", help="model directory (default: tests/bench/stall.py's llama)")
     parser.add_argument("--prompt-tokens", type=int, default=9123)
     parser.add_argument("--ranks", default="2,3")
     parser.add_argument("--steps", default="256,512,1024,2048")

@@ -5,7 +5,7 @@ mlx_lm.server runs twice: its ranks started directly with the environment mlx.la
 them, and under `mlx.launch` itself, whose output relay loop busy-waits on a core (see
 docs/benchmarks.md), which on a 2-core machine slows its ranks several times over.
 
-    python tests/serve_load.py --mode pipeline --clients 1,2,4,8 --max-tokens 64
+    python -m tests.bench.serve_load --mode pipeline --clients 1,2,4,8 --max-tokens 64
 
 Each level sends N simultaneous non-streaming /v1/completions requests (greedy, a model whose
 EOS id set out of reach; the tokenizer's own EOS may still end an answer early, so the

@@ -5,7 +5,7 @@ one token asked). Printed per setting: the long prompt's time to its answer, the
 worst and median gap between tokens while it was being prefilled, and the tokens they got
 meanwhile. Each setting starts serve afresh, one after the other, in the same run.
 
-    python tests/stall.py --mode pipeline -n 2 --prompt-tokens 9000 --max-stall 0,0.25
+    python -m tests.bench.stall --mode pipeline -n 2 --prompt-tokens 9000 --max-stall 0,0.25
 
 ``--max-stall 0`` is serve's behaviour before it had a pace: prefill steps of --prefill-step
 (2048) tokens whatever runs. Every rank gets one BLAS thread (OPENBLAS_NUM_THREADS=1), as a

@@ -1,8 +1,8 @@
 """`mlx-cluster sync` against OpenSSH's scp and cp, and the chain fan-out against every host
 pulling from the laptop, in one run each (docs/benchmarks.md has the numbers).
 
-    python tests/sync_bench.py loopback --gb 1 --reps 3      # a loopback sshd, started here
-    python tests/sync_bench.py fanout --mb 256 --lan 200mbit --cables 2gbit   # needs root
+    python -m tests.bench.sync_bench loopback --gb 1 --reps 3      # a loopback sshd, started here
+    python -m tests.bench.sync_bench fanout --mb 256 --lan 200mbit --cables 2gbit   # needs root
 
 Both build their own model directory (a tiny model's config and tokenizer plus one file of
 random bytes) and remove what they made. Times are wall-clock seconds of the whole command as

@@ -1,7 +1,7 @@
 """Decode speed of running streams while long count_tokens calls arrive: whether rank 0's
 tokenizing holds up the decode loop (issue: rank 0's batch thread never tokenizes).
 
-    python tests/tokenize_load.py [--cli PATH] [--streams 4] [--counts 20] [--tokens 16000]
+    python -m tests.bench.tokenize_load [--cli PATH] [--streams 4] [--counts 20] [--tokens 16000]
 
 Starts `serve` on the embedded model (2 ranks, pipeline), opens N greedy streams, measures
 their decode rate for a quiet window, then sends the count_tokens calls (each a prompt of

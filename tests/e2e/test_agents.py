@@ -1,6 +1,6 @@
-"""`serve` for agents: a model that really calls a tool (tests/toolmodel.py), through OpenAI's
-chat completions and Responses and Anthropic's Messages, each driven by its official client,
-on two ranks; the server has an API key, sent as each client sends it."""
+"""`serve` for agents: a model that really calls a tool (tests/support/toolmodel.py), through
+OpenAI's chat completions and Responses and Anthropic's Messages, each driven by its official
+client, on two ranks; the server has an API key, sent as each client sends it."""
 
 import json
 from concurrent.futures import ThreadPoolExecutor

@@ -2,7 +2,7 @@
 prompt answered once, serve stopped, started again, the same prompt and a new turn read most
 of the prompt from each host's disk (every rank its own layers), with single-process mlx-lm's
 text; a server of another plan (mode) on the same folder misses. The tier's parts (blocks,
-checksums, the bound, two writers): tests/test_diskcache.py."""
+checksums, the bound, two writers): tests/e2e/test_diskcache.py."""
 
 import time
 

@@ -2,7 +2,7 @@
 it, launch's text equals single-process mlx-lm's on the GPU (1 rank; 2 ranks over ring on one
 GPU; tensor mode over nccl on two GPUs when there are two), bench runs beside mlx-lm. Skipped
 where MLX has no CUDA (CI, Macs). Run on a GPU machine with ``python -m pytest -m gpu -v
-tests/test_gpu.py``."""
+tests/e2e/test_gpu.py``."""
 
 from __future__ import annotations
 

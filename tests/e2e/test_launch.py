@@ -24,7 +24,7 @@ TOKENS = 40
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
 def test_sharded_output_equals_single_process(models, mode):
     """A prompt through the chat template, 40 tokens, in each mode. Every family at 2, 3 and
-    4 ranks in each mode is the matrix's (tests/test_models.py, docs/models.md)."""
+    4 ranks in each mode is the matrix's (tests/e2e/test_models.py, docs/models.md)."""
     family, ranks = "qwen2", 2  # the model with a chat template
     expected = reference(models[family], PROMPT, TOKENS)
     assert len(expected) > 20  # a real continuation, not an early EOS

@@ -1,5 +1,5 @@
 """A 32,768-token prompt through `mlx-cluster launch`, sharded, against single-process mlx-lm
-(tests/long_context.py; docs/long-context.md has the table of every family, mode and rank
+(tests/support/long_context.py; docs/long-context.md has the table of every family, mode and rank
 count, and 64k and 128k, measured by hand: in CI, 3 families x 4 cells would take 6 minutes)."""
 
 from tests.support.long_context import run_family

@@ -24,9 +24,9 @@ from tests.support.tiny import VLM_FAMILIES, make_model, make_vlm
 DOCS = parse((ROOT / "docs" / "models.md").read_text())
 
 
-# The suite's columns. docs/models.md also has 4 ranks in each mode, from `python
-# tests/matrix.py` (every cell through launch): 4 ranks on 2 cores cost about a minute of the
-# suite, and 3 ranks already split heads unevenly and replicate KV heads.
+# The suite's columns. docs/models.md also has 4 ranks in each mode, from `python -m
+# tests.tools.models_page` (every cell through launch): 4 ranks on 2 cores cost about a minute
+# of the suite, and 3 ranks already split heads unevenly and replicate KV heads.
 CI_RANKS = tuple(n for n in RANKS if n <= 3)
 
 
@@ -50,7 +50,9 @@ def matrix(tmp_path_factory):
 @pytest.mark.parametrize("family", [*TEXT_FAMILIES, *VLM_FAMILIES])
 def test_matrix_row_is_what_docs_say(family, matrix):
     """Each cell as docs/models.md records it; the required cells match single-process."""
-    assert family in DOCS, f"docs/models.md has no row for {family}; run tests/matrix.py"
+    assert family in DOCS, (
+        f"docs/models.md has no row for {family}; run python -m tests.tools.models_page"
+    )
     assert set(matrix[family]) <= set(DOCS[family]), "docs/models.md's columns changed"
     for column, cell in matrix[family].items():
         recorded = DOCS[family][column]
@@ -64,7 +66,7 @@ def test_matrix_row_is_what_docs_say(family, matrix):
 
 
 def test_one_matrix_cell_through_launch_as_the_docs_page_runs_it(matrix, tmp_path):
-    """tests/matrix.py (which writes docs/models.md) runs each cell through ``mlx-cluster
+    """tests/tools/models_page.py (which writes docs/models.md) runs each cell through ``mlx-cluster
     launch``: one cell that way gives what the batched cells gave."""
     model = make_model(tmp_path / "gemma2", "gemma2", seed=1)
     cell = check_cell(model, "tensor", 3, tokens=SHORT_TOKENS)

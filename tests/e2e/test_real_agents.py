@@ -2,7 +2,7 @@
 Codex CLI (``codex exec``), the releases from the npm registry that .ci/run installs (skipped,
 saying so, where they are missing). Each answers a one-shot question, and does a turn whose
 output is a tool call: the agent runs its own shell tool and sends the result back, and the
-next turn answers from it. The model is tests/agentmodel.py (it calls each agent's own shell
+next turn answers from it. The model is tests/support/agentmodel.py (it calls each agent's own shell
 tool). Consecutive Claude-Code-shaped turns share their prompt's start in the prompt cache,
 its billing line dropped."""
 

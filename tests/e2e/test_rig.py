@@ -1,5 +1,5 @@
 """Every multi-host path and the faults of a real rig, on separate hosts made of network
-namespaces (tests/netrig.py): each with its own address, sshd and link, and a ring of
+namespaces (tests/support/netrig.py): each with its own address, sshd and link, and a ring of
 point-to-point cables. Each fault test ends with no rank process on any host."""
 
 from __future__ import annotations

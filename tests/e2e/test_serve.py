@@ -386,7 +386,7 @@ def test_seeded_requests_repeat(server):
 @pytest.mark.parametrize("mode,ranks", [("pipeline", 3), ("tensor", 2)])
 def test_batch_on_three_ranks_equals_lone_answers(tmp_path, mode, ranks):
     """llama goes through our pipeline stages (3 ranks: a middle stage too; skipped cache
-    slots in a batch), tensor mode through node/tensor.py's shards (uneven head splits are the
+    slots in a batch), tensor mode through node/model/tensor.py's shards (uneven head splits are the
     matrix's, at 3 ranks); requests of different lengths join one batch."""
     from tests.support.tiny import make_model
 
@@ -481,7 +481,7 @@ def test_a_signal_while_serve_starts_stops_every_rank(models, sig):
 def test_status_and_the_page_show_the_running_server(server):
     """`mlx-cluster status` prints /v1/cluster's overview: both ranks ready, on this host,
     with the layers each holds; the page's file is served at /. (The page in a browser:
-    tests/test_page.py.)"""
+    tests/e2e/test_page.py.)"""
     from tests.support.processes import invoke
 
     ask(server.client)  # one answer, so the figures have something

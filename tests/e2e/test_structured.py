@@ -3,7 +3,7 @@ temperature > 0, on two ranks in each mode: ``chat.completions.parse`` with a py
 Responses' ``text.format``, a forced strict tool call, Anthropic's ``tool_choice`` ``tool``
 and ``any``; constrained and free requests batched together; every answer validated with
 jsonschema; bad schemas are 400s; the server never restarts. (One process, many schemas:
-tests/test_grammar.py.)"""
+tests/e2e/test_grammar.py.)"""
 
 from __future__ import annotations
 

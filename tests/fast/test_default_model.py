@@ -1,6 +1,6 @@
 """The embedded default model answers on topic: a question about a topic of Python's own help
-gets that topic's text, greedy, through its chat template (node/train_default.py trains it).
-End to end through `launch`: tests/test_launch.py, the README's command."""
+gets that topic's text, greedy, through its chat template (tests/tools/train_default.py trains it).
+End to end through `launch`: tests/e2e/test_launch.py, the README's command."""
 
 from __future__ import annotations
 

@@ -38,12 +38,13 @@ def test_connections_per_ip_counts_in_the_port_check():
     named only then."""
     import socket
 
+    from cluster.job.backends import free_port_run
     from tests.support.processes import invoke
 
+    start = free_port_run("127.0.0.1", 4)  # four free in a row (any port may be busy)
+    port = start + 3
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        start = port - 3
+        s.bind(("127.0.0.1", port))
         p = invoke("doctor", "--starting-port", start)
         assert p.returncode == 0, p.stdout
         p = invoke("doctor", "--starting-port", start, "--connections-per-ip", 2)

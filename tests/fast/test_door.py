@@ -297,10 +297,10 @@ def test_an_order_waits_for_memory_and_stays_under_its_byte_bound(monkeypatch):
 
     class Inbox:
         def __init__(self):
-            self.tickets = queue.Queue()
+            self.flights = queue.Queue()
             self.prepared_all, self.draining = threading.Event(), threading.Event()
 
-        def ended(self, ticket):
+        def ended(self, flight):
             pass
 
     def scheduler(room):
@@ -309,15 +309,15 @@ def test_an_order_waits_for_memory_and_stays_under_its_byte_bound(monkeypatch):
         s.inbox = Inbox()
         return s
 
-    def ticket(prompt: int, answer: int):
-        t = ns.Ticket(ServeRequest(id="r", kind="completion", sampling=Sampling()))
+    def flight(prompt: int, answer: int):
+        t = ns.Flight(ServeRequest(id="r", kind="completion", sampling=Sampling()))
         t.shared = SharedRequest(Sampling(max_tokens=answer), [1] * prompt)
         t.size = ns.shared_size(t.shared)
         return t
 
     s = scheduler(room=100)
     for _ in range(3):
-        s.take(ticket(40, 20))  # 60 tokens each
+        s.take(flight(40, 20))  # 60 tokens each
     assert len(s.order(live=0).insert) == 1  # 120 > 100: the second waits
     s.inserting = []
     s.reserved = 60  # the first is decoding
@@ -325,9 +325,9 @@ def test_an_order_waits_for_memory_and_stays_under_its_byte_bound(monkeypatch):
     s.reserved = 0  # it ended
     assert len(s.order(live=0).insert) == 1
     s = scheduler(room=None)
-    monkeypatch.setattr(ns, "ORDER_BYTES", 2 * ticket(40, 20).size + 1)
+    monkeypatch.setattr(ns, "ORDER_BYTES", 2 * flight(40, 20).size + 1)
     for _ in range(5):
-        s.take(ticket(40, 20))
+        s.take(flight(40, 20))
     assert [len(s.order(live=0).insert) for _ in range(3)] == [2, 2, 1]
     with pytest.raises(ns.Refusal, match="bytes as the ranks get it"):
         ns.shared_size(SharedRequest(Sampling(max_tokens=1), [1] * 1000))
@@ -346,7 +346,7 @@ def test_a_request_rank_0_cannot_prepare_is_answered_not_lost():
     failed = []
     done = threading.Event()
 
-    def broken(ticket):
+    def broken(flight):
         raise RuntimeError("boom")
 
     r, w = os.pipe()

@@ -3,7 +3,7 @@ validate, for schemas hypothesis makes up too; a forced tool call is the model's
 with arguments under the tool's schema; a grammar waits for a think block the prompt opened;
 a request's trial run leaves its matcher at the start; bad grammars are refused where they are
 asked for (cluster.core.grammar). Across ranks, in both modes, and through the official
-clients: tests/test_structured.py."""
+clients: tests/e2e/test_structured.py."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def echo_port():
                 self.request.sendall(data.upper())
 
     with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Echo) as server:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
         yield server.server_address[1]
         server.shutdown()
 

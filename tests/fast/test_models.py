@@ -7,5 +7,5 @@ def test_docs_list_what_the_rules_recognise_in_mlx_lms_other_families():
     from tests.support.families import render, survey
 
     assert render(survey()) in (ROOT / "docs" / "models.md").read_text(), (
-        "docs/models.md is out of date: run tests/matrix.py --out docs/models.md"
+        "docs/models.md is out of date: run python -m tests.tools.models_page --out docs/models.md"
     )

@@ -1,6 +1,6 @@
 """/v1/cluster (serve's overview for its page and `mlx-cluster status`) from serve's own state,
 without ranks; the page's files load without the key while its data needs it. (The page in a
-real browser against a real serve: tests/test_page.py.)"""
+real browser against a real serve: tests/e2e/test_page.py.)"""
 
 from __future__ import annotations
 

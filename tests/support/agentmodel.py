@@ -1,7 +1,7 @@
 """A tiny model that does one agent's turn for real: asked to run a command, it calls the
 agent's own shell tool (Claude Code's ``Bash``, Codex's ``exec_command``) in the json_tools
 markup, and once the command's output comes back it says what it printed; asked what a list
-is, it answers in a line. Trained here in seconds (tests/toolmodel.py's trainer).
+is, it answers in a line. Trained here in seconds (tests/support/toolmodel.py's trainer).
 
 Its chat template shows it only what it needs: which of the agents' shell tools the request
 offers, the last line of each user turn (the last of consecutive ones: Codex sends its
@@ -78,7 +78,8 @@ def make_agent_model(out: Path, steps: int = 250) -> Path:
     return train_chat_model(out, rows(), TEMPLATE, steps)
 
 
-if __name__ == "__main__":  # python tests/agentmodel.py OUT (a subprocess: OpenBLAS preloaded)
+# python -m tests.support.agentmodel OUT (a subprocess: OpenBLAS preloaded)
+if __name__ == "__main__":
     import sys
 
     make_agent_model(Path(sys.argv[1]))

@@ -1,6 +1,6 @@
 """Which of mlx-lm's model families tensor mode can split by the parts of their layers.
 
-    python tests/families.py            # a markdown list on stdout (docs/models.md keeps it)
+    python -m tests.support.families    # a markdown list on stdout (docs/models.md keeps it)
 
 Each family's Model is built from one small generic config (the fields its ModelArgs does not
 take are dropped) with random weights, and each decoder layer goes through node.model.tensor's

@@ -2,14 +2,14 @@
 sharded, against single-process mlx-lm on the same model (the greedy continuation and the
 next-token logits, both from one prefill on each side), with each rank's peak memory.
 
-    python tests/long_context.py --tokens 32768 --cells p2,t2,p3,t3
+    python -m tests.support.long_context --tokens 32768 --cells p2,t2,p3,t3
 
 Attention over a long prompt is what costs here: MLX's CPU softmax runs at about 70M exp/s on
 this machine, so a 32k prompt costs about 8 s per attention head and layer, on each side. So
 each mode gets the smallest model that exercises it: pipeline cells a model with one head per
 layer and a layer per stage (gemma3_text: 3, split 2+1 at 2 ranks), tensor cells one layer
 (gemma3_text: a sliding and a global one) with as many heads as the tensor rank counts
-divide. Both sides use the BLAS a rank picks, on one thread (as tests/matrix.py).
+divide. Both sides use the BLAS a rank picks, on one thread (as tests/support/matrix.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """One rank of a batch of matrix cells: many models, one mode and rank count, one ring.
 
-    python tests/matrix_ranks.py --mode tensor --cells CELLS.json     # MLX_RANK, MLX_HOSTFILE set
+    python -m tests.support.matrix_ranks --mode tensor --cells CELLS.json  # MLX_RANK, MLX_HOSTFILE
 
-tests/test_models.py runs the model matrix this way: the cells of one mode and rank count share
+tests/e2e/test_models.py runs the model matrix this way: the cells of one mode and rank count share
 one start-up of their ranks (on this machine's two cores a rank's start costs seconds) instead of
 one ``mlx-cluster launch`` each. Each model goes through the code a launch runs on every rank:
 ``node.load.load_shard``, the request rank 0 builds and shares (``make_job_request``,
 ``share_from_rank0``) and ``generate`` with its first logits (``generate_vlm`` for a vision model).
-What a launch adds around them (the launcher, START, events) is proven by tests/test_launch.py.
+What a launch adds around them (the launcher, START, events) is proven by tests/e2e/test_launch.py.
 Rank 0 writes one JSON line per cell on stdout: family, text and (text models) the logits.
 """
 

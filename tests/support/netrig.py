@@ -1,10 +1,10 @@
 """A rig of separate hosts on this machine: network namespaces, each with its own address, its
 own sshd on port 22 and a shaped link.
 
-    python tests/netrig.py up 3 --rtt 300us --rate 10gbit    # hosts 10.231.0.1-3, a hostfile
-    python tests/netrig.py shape 2 --loss 5 --jitter 2ms      # host 2's link, while up
-    python tests/netrig.py link 2 down                        # pull host 2's cable
-    python tests/netrig.py down
+    python -m tests.support.netrig up 3 --rtt 300us --rate 10gbit  # hosts 10.231.0.1-3, a hostfile
+    python -m tests.support.netrig shape 2 --loss 5 --jitter 2ms      # host 2's link, while up
+    python -m tests.support.netrig link 2 down                        # pull host 2's cable
+    python -m tests.support.netrig down
 
 Each host is a namespace ``mcr<i>``. Its LAN port ``eth0`` (10.231.0.<i>/24) is a TAP device
 whose other end is the *wire*: a small switch in user space (``Wire`` below, its own process)
@@ -15,7 +15,7 @@ see a round trip of twice the delay; ``--rtt`` sets delay = rtt / 2. A link goes
 (``ip link set eth0 down`` inside the host).
 
 With ``--cables`` the hosts are also joined in a ring by point-to-point veth "Thunderbolt
-cables", one /30 each, addressed by ``cluster.rig.topology.plan`` as ``hostfile discover`` plans
+cables", one /30 each, addressed by ``cluster.rig.topology.plan_rig`` as ``hostfile discover`` plans
 them (``en1`` to the next host, ``en2`` to the previous one); the hostfile's ``ips`` are then
 the cable addresses and the LAN carries only SSH.
 
@@ -467,9 +467,9 @@ def cable_iface(i: int, j: int, n: int) -> str:
 
 
 def lay_cables(rig: Rig) -> None:
-    """A ring of veth cables, addressed as `hostfile discover` would: cluster.rig.topology.plan
+    """A ring of veth cables, addressed as `hostfile discover` would: cluster.rig.topology.plan_rig
     over Thunderbolt ports that name their peers."""
-    from cluster.rig.topology import Node, plan
+    from cluster.rig.topology import Node, plan_rig
     from cluster.rig.topology import Port as TBPort
 
     n = rig.n
@@ -481,10 +481,10 @@ def lay_cables(rig: Rig) -> None:
         ]
         nodes.append(Node(rig.hosts[i].address, ports))
     a, b, _ = rig.lan.split(".")
-    p = plan(nodes, "ring", f"{a}.{b}.128.0/20")
+    p = plan_rig(nodes, "ring", f"{a}.{b}.128.0/20")
     for rank, entry in enumerate(p.hosts):
         rig.hosts[p.order[rank]].cable_ips = entry["ips"]
-    ends = {}  # (host, iface) -> the address plan() gives that end
+    ends = {}  # (host, iface) -> the address plan_rig() gives that end
     for name, commands in p.commands.items():
         for line in commands:
             if m := re.match(r"sudo ifconfig (\S+) inet (\S+) netmask", line):

@@ -229,8 +229,9 @@ def start_job(svc: Service, sent: list[bytes]) -> None:
     svc.on_event(0, Serving("m", True))
 
 
-def request(stream: bool) -> ApiRequest:
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
+def request(stream: bool, **fields) -> ApiRequest:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream,
+            **fields}  # fmt: skip
     chat = ChatCompletions()
     return ApiRequest(chat, chat.parse(body, Door(frozenset({"m"}))), stream, "m", chat.echo(body))
 

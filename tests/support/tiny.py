@@ -365,7 +365,7 @@ def make_vlm(out: Path, family: str = "paligemma", seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python tests/tiny.py OUT --family qwen2 --set hidden_size=960 ...``: a random model
+    """``python -m tests.support.tiny OUT --family qwen2 --set hidden_size=960 ...``: a random model
     for benchmarks (docs/benchmarks.md), laid out like a converted checkpoint."""
     import argparse
 

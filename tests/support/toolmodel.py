@@ -187,7 +187,8 @@ def greedy(model, prompt: list[int], most: int, eos: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
-if __name__ == "__main__":  # python tests/toolmodel.py OUT (a subprocess: OpenBLAS preloaded)
+# python -m tests.support.toolmodel OUT (a subprocess: OpenBLAS preloaded)
+if __name__ == "__main__":
     import sys
 
     make_tool_model(Path(sys.argv[1]))

@@ -1,8 +1,8 @@
 """Screenshots of serve's page for docs/: a 2-rank serve of the embedded default model in
-headless Chromium (as tests/test_page.py drives it): a question typed into the chat box
+headless Chromium (as tests/e2e/test_page.py drives it): a question typed into the chat box
 (docs/page.png), then a rank killed, while serve restarts its ranks (docs/page-restarting.png).
 
-    python tests/page_shots.py
+    python -m tests.tools.page_shots
 """
 
 from __future__ import annotations

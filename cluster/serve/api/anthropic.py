@@ -135,10 +135,10 @@ def chat_messages(body: dict) -> list[dict]:
                 result = text_blocks(block.get("content"), here)
                 if block.get("is_error"):
                     result = f"Error: {result}"
-                message = {"role": "tool", "content": result}
+                answer = {"role": "tool", "content": result}
                 if block.get("tool_use_id") is not None:
-                    message["tool_call_id"] = str(block["tool_use_id"])
-                out.append(message)
+                    answer["tool_call_id"] = str(block["tool_use_id"])
+                out.append(answer)
                 results += 1
             elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
                 thinking += str(block.get("thinking", ""))
@@ -147,7 +147,7 @@ def chat_messages(body: dict) -> list[dict]:
                     400, f"{here}: blocks of type {kind!r} are not supported in a {m['role']} turn"
                 )
         if texts or calls or not results:
-            message = {"role": m["role"], "content": "".join(texts)}
+            message: dict[str, Any] = {"role": m["role"], "content": "".join(texts)}
             if calls:
                 message["tool_calls"] = assistant_calls(calls)
             if thinking:
@@ -232,7 +232,7 @@ def effort(body: dict) -> str | None:
 def thinking_switch(body: dict) -> bool | None:
     thinking = body.get("thinking")
     kind = thinking.get("type") if isinstance(thinking, dict) else None
-    return {"enabled": True, "adaptive": True, "disabled": False}.get(kind)
+    return {"enabled": True, "adaptive": True, "disabled": False}.get(str(kind))
 
 
 def error_body(e: RequestError) -> dict:
@@ -254,7 +254,7 @@ def usage_of(result: dict) -> dict:
 def stop_reason(result: dict) -> str:
     if result.get("stop_sequence"):
         return "stop_sequence"
-    return STOP_REASONS.get(result.get("finish_reason"), "end_turn")
+    return STOP_REASONS.get(str(result.get("finish_reason")), "end_turn")
 
 
 def tool_input(call: ToolCall) -> dict:

@@ -16,6 +16,7 @@ becomes its grammar on rank 0, which knows the model's tool-call markup (node.gr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from cluster.core import grammar
@@ -60,7 +61,7 @@ def response_format(value: Any, name: str, flat: bool = False) -> Constraint | N
 
 def extension(body: dict) -> Constraint | None:
     """``structured_outputs`` or a ``guided_*`` field (vLLM's), else None."""
-    found = []
+    found: list[Constraint | None] = []
     value = body.get(EXTENSION)
     if value is not None:
         if not isinstance(value, dict):
@@ -77,16 +78,16 @@ def extension(body: dict) -> Constraint | None:
     return only(found)
 
 
-def only(found: list[Constraint | None]) -> Constraint | None:
+def only(found: Sequence[Constraint | None]) -> Constraint | None:
     """The one constraint asked for; asking two ways is a 400 naming both."""
-    found = [c for c in found if c is not None]
-    if len(found) > 1:
+    asked = [c for c in found if c is not None]
+    if len(asked) > 1:
         raise RequestError(
             400,
-            f"'{found[0].source}' and '{found[1].source}' both constrain the answer; "
+            f"'{asked[0].source}' and '{asked[1].source}' both constrain the answer; "
             "send one of them",
         )
-    return found[0] if found else None
+    return asked[0] if asked else None
 
 
 def forced(kind: str, tools: list, name: str) -> Constraint:

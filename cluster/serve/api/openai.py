@@ -90,8 +90,8 @@ def tool_choice(choice: Any, tools: list, marked: list[bool],
     if kind == "required":
         return tools, constrain.forced("required", tools, name)
     if kind == "function" and isinstance(choice, dict):
-        function = choice.get("function") if isinstance(choice.get("function"), dict) else choice
-        called = function.get("name")
+        inner = choice.get("function")
+        called = (inner if isinstance(inner, dict) else choice).get("name")
         if not isinstance(called, str):
             raise RequestError(400, f"'{name}' of type function needs the function's 'name'")
         return tools, constrain.forced(called, tools, name)

@@ -115,7 +115,7 @@ def tool_items(tools: Any) -> list[tuple[str, dict, str | None]]:
     if not isinstance(tools, list):
         raise RequestError(400, "'tools' must be a list")
     check_count(tools, MAX_PARTS, "tools")
-    out = []
+    out: list[tuple[str, dict, str | None]] = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "function":

@@ -397,7 +397,7 @@ def arguments_object(arguments: Any, where: str = "a tool call's arguments") -> 
     return arguments
 
 
-def assistant_calls(calls: list[tuple[str, str, Any]], where: str = "tool_calls",
+def assistant_calls(calls: list[tuple[str | None, str, Any]], where: str = "tool_calls",
                     indexed: bool = True) -> list[dict]:  # fmt: skip
     """(id, name, arguments) into the assistant message's ``tool_calls`` (``where``: the
     field that holds them, for an error; ``indexed``: a list of calls, not one)."""
