@@ -85,12 +85,19 @@ def open_store(root: Path) -> tuple[Path, bytes]:
         raise NotOurs(f"{store} belongs to another user; pass a --prompt-cache-dir of yours")
     marker = store / MARKER
     if not marker.exists():
-        if any(store.iterdir()):
+        if any(not _being_made(f.name) for f in store.iterdir()):
             raise NotOurs(f"{store} holds files the prompt cache did not write; pass another "
                           "--prompt-cache-dir (nothing there is read or removed)")  # fmt: skip
         _write_new(marker, b"mlx-cluster's prompt cache: every file here is its own\n")
     os.chmod(store, 0o700)
     return store, _key(store / KEY_FILE)
+
+
+def _being_made(name: str) -> bool:
+    """A file another rank of this host writes while it makes the same new store (the
+    marker, the key, either's temporary file): ranks open the store at the same moment."""
+    return any(name == f or (name.startswith(f + ".") and name.endswith(TMP_SUFFIX))
+               for f in (MARKER, KEY_FILE))  # fmt: skip
 
 
 def _key(path: Path) -> bytes:

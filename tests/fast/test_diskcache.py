@@ -21,6 +21,7 @@ from node.jobs.diskcache import (
     NotOurs,
     block_hashes,
     local_layers,
+    open_store,
     plan_key,
     weights_fingerprint,
     worth_reading,
@@ -179,6 +180,33 @@ def test_store_layout_permissions_and_what_it_refuses(model, tmp_path):
         os.chown(theirs / STORE, 65534, 65534)
         with pytest.raises(NotOurs, match="another user"):
             DiskCache(theirs, PLAN, 1e9, [0, 1])
+
+
+def test_ranks_of_one_host_make_a_new_store_at_once(tmp_path):
+    """Two ranks open a new store in the same instant: the other's marker or key half made
+    (its temporary file) is not a stranger's file; both get the store and the same key."""
+    import threading
+
+    half = tmp_path / "half" / STORE
+    half.mkdir(parents=True)
+    (half / f"{diskcache.MARKER}.4242.77{diskcache.TMP_SUFFIX}").write_bytes(b"")
+    (half / f"{diskcache.KEY_FILE}.4242.77{diskcache.TMP_SUFFIX}").write_bytes(b"")
+    assert open_store(tmp_path / "half")[0] == half
+    for n in range(40):  # the same through real threads released together
+        root = tmp_path / f"race{n}"
+        start, keys, errors = threading.Barrier(4), [], []
+
+        def one(root=root, start=start, keys=keys, errors=errors):
+            start.wait()
+            try:
+                keys.append(open_store(root)[1])
+            except NotOurs as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert errors == [] and len(set(keys)) == 1, (n, errors)
 
 
 def test_files_the_cache_did_not_write_survive_any_bound(model, tmp_path):
