@@ -28,6 +28,10 @@ KEEPALIVE = b"\x16"
 # MLX's ring retries a refused connection after 1 s, then 2 s: ranks that reach it together
 # (their imports done) connect at once instead of waiting out a peer still importing.
 START = b"\x06"
+# launcher -> every rank but rank 0, when rank 0 says Wake: leave the rest (node.rank.watchdog
+# wait_for_wake), an order is coming. Resting ranks wait on this pipe, not in a collective,
+# whose receive MLX's backends poll on a core.
+WAKE = b"\x05"
 KEEPALIVE_S = 1.0
 
 
@@ -178,6 +182,14 @@ class AwaitingInput:
 
 
 @dataclass
+class Wake:
+    """Rank 0 has work after a rest (serve's idle rounds, chat's wait for the user): the
+    launcher writes WAKE to every other rank."""
+
+    kind = "wake"
+
+
+@dataclass
 class Error:
     kind = "error"
     message: str
@@ -226,6 +238,7 @@ Event = (
     | Memory
     | Notice
     | AwaitingInput
+    | Wake
     | Error
     | BenchRun
     | BenchComm

@@ -340,13 +340,15 @@ class SharedRequest:
 class Order:
     """Rank 0's order of one round of serve, applied alike by every rank (node.batch): the
     requests that join the batch, the uids that leave it, a request decoded alone, the end
-    of the job, the prefill step from now on. An empty order is a ping (all still here)."""
+    of the job, the prefill step from now on, a rest. An empty order is a ping (all still
+    here: the rounds of ranks that cannot rest, having no launcher to wake them)."""
 
     insert: list[SharedRequest] = field(default_factory=list)
     remove: list[int] = field(default_factory=list)
     single: SharedRequest | None = None
     quit: bool = False
     prefill_step: int | None = None
+    rest: bool = False  # nothing to do: every rank rests until rank 0 wakes it (node.rank)
 
 
 @dataclass

@@ -36,11 +36,13 @@ from cluster.core.protocol import (
     KEEPALIVE,
     KEEPALIVE_S,
     START,
+    WAKE,
     AwaitingInput,
     Error,
     Event,
     Phase,
     Ready,
+    Wake,
     decode_event,
 )
 from cluster.core.spec import JobSpec, LaunchSettings
@@ -326,6 +328,8 @@ class RankWatch:
             log(self.stderr, say.text)
         if isinstance(event, Phase) and not self.started_all:
             self.start_together()
+        if isinstance(event, Wake):
+            self.wake_others(state.rank)
         if self.link is not None:
             self.link.on_event(state.rank, event)
         if isinstance(event, AwaitingInput) and _isatty(self.stdin):
@@ -333,6 +337,16 @@ class RankWatch:
             self.stderr.flush()
         elif isinstance(event, Ready) and self.launch.verbose:
             self.stderr.write(f"[rank {state.rank} {state.host}] {ready_line(event)}\n")
+
+    def wake_others(self, waker: int) -> None:
+        """Rank 0 has work after a rest: every other rank leaves its own (protocol.WAKE)."""
+        for r in self.ranks:
+            if r.rank == waker:
+                continue
+            try:
+                r.write_stdin(WAKE)
+            except (OSError, ValueError, EOFError, AttributeError):
+                pass  # gone: the main loop reports it
 
     def start_together(self) -> None:
         """Once every rank waits at Phase("init"), START to each: they join the group

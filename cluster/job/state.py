@@ -25,6 +25,7 @@ from cluster.core.protocol import (
     Prefill,
     Ready,
     Stats,
+    Wake,
 )
 
 EXIT_PEER_FAILED = 3  # a rank that stopped because rank 0 failed (see node.__main__)
@@ -151,6 +152,8 @@ def on_event(job: JobState, rank: int, event: Event, elapsed: float) -> list[Say
         on_error(state, event)
     elif isinstance(event, AwaitingInput):
         pass  # the launcher shows a prompt when its stdin is a terminal
+    elif isinstance(event, Wake):
+        pass  # the launcher wakes the other ranks (RankWatch.wake_others)
     elif isinstance(event, Beat):
         if event.progress != state.progress or event.idle:
             state.progress, state.progress_at = event.progress, elapsed

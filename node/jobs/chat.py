@@ -26,6 +26,7 @@ from cluster.core.protocol import (
     Phase,
     Prefill,
     Stats,
+    Wake,
 )
 from cluster.core.spec import SharedRequest, Template
 from node.jobs import Job
@@ -216,9 +217,10 @@ def run_chat(job: Job) -> None:
     from node.decode.loop import generate
     from node.decode.render import shared_request
     from node.rank.share import share_typed
-    from node.rank.watchdog import launcher_input, progress
+    from node.rank.watchdog import can_rest, launcher_input, progress, wait_for_wake
 
     rank0 = group.rank() == 0
+    resting = can_rest() and group.size() > 1
     speculation = loaded.speculation
     from node.rank.memory import memory_left
 
@@ -244,12 +246,16 @@ def run_chat(job: Job) -> None:
             emit(AwaitingInput())
             with progress.waiting():  # the user thinking is not a stalled collective
                 user = next_turn(inp, conversation, notice)
+            if resting:
+                emit(Wake())  # the others rest meanwhile; the launcher wakes them
             if user is None:
                 return None
             said.append(user)
             return shared_request(loaded.tokenizer, spec.request, conversation.tokens_for(user))
 
     while True:
+        if resting and not rank0:
+            wait_for_wake()  # not in a collective, whose receive polls a core while one waits
         request = share_typed(SharedRequest, next_request if rank0 else None, group,
                               "prepare the turn")  # fmt: skip
         if request is None:

@@ -32,7 +32,16 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from cluster.core.modelcheck import model_id
-from cluster.core.protocol import END_OF_INPUT, Counted, Memory, Prefill, Refused, Serving, Stats
+from cluster.core.protocol import (
+    END_OF_INPUT,
+    Counted,
+    Memory,
+    Prefill,
+    Refused,
+    Serving,
+    Stats,
+    Wake,
+)
 from cluster.core.spec import (
     Grammar,
     JobSpec,
@@ -51,7 +60,7 @@ from node.decode.text import AnswerText, answer_text
 from node.jobs import Job
 from node.rank.watchdog import progress
 
-PING_S = 2.0  # an idle rank 0 shows every rank it is still there this often
+PING_S = 2.0  # without a launcher to wake them, idle ranks meet this often (a ping)
 ORDER_BYTES = 32 << 20  # an order's requests, encoded: more wait for the next round
 MEMORY_EVERY_S = 5.0  # each rank reports its peak memory this often (the API's /metrics)
 
@@ -285,8 +294,10 @@ class Scheduler:
     random state, which a batch shares. So are all requests of a model whose caches cannot be
     batched."""
 
-    def __init__(self, tokenizer, emit, batched: bool, drain_timeout: float, admission: Admission):
+    def __init__(self, tokenizer, emit, batched: bool, drain_timeout: float, admission: Admission,
+                 rests: bool = False):  # fmt: skip
         self._inbox: Inbox | None = None  # set by ``listen``
+        self.rests = rests  # idle: every rank rests (Order.rest) instead of pinging
         self.tokenizer = tokenizer
         self.admission = admission
         self.emit = emit
@@ -368,9 +379,9 @@ class Scheduler:
             if inbox.prepared_all.is_set() and inbox.flights.empty():
                 return Order(quit=True)
             try:
-                self.take(inbox.flights.get(timeout=PING_S))
+                self.take(inbox.flights.get(timeout=0 if self.rests else PING_S))
             except queue.Empty:
-                return Order()
+                return Order(rest=self.rests)
         while True:
             try:
                 self.take(inbox.flights.get_nowait())
@@ -408,6 +419,12 @@ class Scheduler:
             self.inserting.append(self.waiting.popleft())
         order.insert = insert
         return order if insert or order.remove else None
+
+    def rest(self) -> None:
+        """Every rank rests (Order.rest): rank 0 waits, using no CPU, for a prepared request
+        or the drain, then wakes the others (Wake: the launcher writes WAKE to each)."""
+        self.take(self.inbox.flights.get())
+        self.emit(Wake())
 
     def cut_drain(self) -> None:
         """Draining past its deadline: what is still being decoded is cancelled."""
@@ -570,7 +587,7 @@ def run_serve(job: Job) -> None:
     from node.jobs.batch import Lockstep, batchable
     from node.rank.memory import memory_left
     from node.rank.share import share_order, share_typed
-    from node.rank.watchdog import launcher_input
+    from node.rank.watchdog import can_rest, launcher_input, wait_for_wake
 
     rank0 = group.rank() == 0
     options = spec.serve  # rank 0's; the others get what they need in ``setup``
@@ -614,17 +631,23 @@ def run_serve(job: Job) -> None:
     if rank0:
         admission = Admission.of(loaded.config, options)
         admission.kv_room = room
-        scheduler = Scheduler(loaded.tokenizer, emit, batched, options.drain_timeout, admission)
+        scheduler = Scheduler(loaded.tokenizer, emit, batched, options.drain_timeout, admission,
+                              rests=can_rest())  # fmt: skip
         scheduler.listen(launcher_input(), log)
         emit(Serving(model_id(spec.model), batched))
     live = 0
     memory_at = 0.0
+
+    def report_memory() -> None:
+        nonlocal memory_at
+        memory_at = time.monotonic()
+        io = (None, None) if disk is None else (disk.stats.bytes_read, disk.stats.bytes_written)
+        emit(Memory(mx.get_peak_memory() / 1e9, *io))
+
     while True:
         progress.tick()  # a round, or an idle ping every PING_S: all ranks met
         if time.monotonic() - memory_at > MEMORY_EVERY_S:
-            memory_at = time.monotonic()
-            io = (None, None) if disk is None else (disk.stats.bytes_read, disk.stats.bytes_written)
-            emit(Memory(mx.get_peak_memory() / 1e9, *io))
+            report_memory()
         order = scheduler.order(live) if scheduler is not None else None
         if scheduler is not None and batch is not None:
             joining = [len(r.tokens) for r in order.insert] if order is not None else []
@@ -648,6 +671,10 @@ def run_serve(job: Job) -> None:
             live = len(batch.live)
             if scheduler is not None:
                 scheduler.prefill_progress(batch.prefilling)
+        if order is not None and order.rest:  # nothing to do: no collective until rank 0 wakes us
+            report_memory()  # what the last answers read and wrote, before a rest of any length
+            with progress.waiting():
+                scheduler.rest() if scheduler is not None else wait_for_wake()
     if batch is not None:
         batch.close()
     if disk is not None:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import IO
 
-from cluster.core.protocol import KEEPALIVE, START, Beat, Error, Event, encode_event
+from cluster.core.protocol import KEEPALIVE, START, WAKE, Beat, Error, Event, encode_event
 
 HEARTBEAT_S = 1.0
 START_SIGNAL = signal.SIGUSR1  # the watcher's word to its rank that the launcher said START
@@ -164,6 +164,30 @@ def wait_for_start(timeout: float) -> bool:
     # the job, ends this rank through the watcher or SIGTERM, neither of which is blocked)
     signal.sigwait({START_SIGNAL})
     return True
+
+
+def can_rest() -> bool:
+    """Whether this rank may rest between orders: a launcher is there to pass rank 0's Wake
+    on (every rank of a job starts the same way, so all of them answer alike)."""
+    return _watcher is not None
+
+
+_wakes = 0  # WAKE bytes read but not yet used: two rests' wakes may come in one read
+
+
+def wait_for_wake() -> None:
+    """A rank other than 0 at rest: blocked on the launcher's pipe, using no CPU, until the
+    launcher passes on rank 0's Wake (cluster.core.protocol.WAKE). Rank 0 wakes the others
+    exactly once per rest they all agreed on, so each rest takes exactly one WAKE."""
+    global _wakes
+    channel = launcher_input()
+    with progress.waiting():  # resting is not a stall (the heartbeat says idle)
+        while _wakes == 0:
+            data = os.read(channel.fileno(), 4096)
+            if not data:
+                raise EOFError("the launcher's channel closed while this rank rested")
+            _wakes += data.count(WAKE)
+        _wakes -= 1
 
 
 def launcher_input() -> IO[bytes]:

@@ -4,8 +4,9 @@ import re
 import signal
 import subprocess
 import threading
+import time
 
-from tests.support.processes import CLI, run_cli
+from tests.support.processes import CLI, cpu_seconds, ranks_below, run_cli
 from tests.support.reference import TURNS, reference_chat
 
 STATS = re.compile(r"prompt (\d+) tokens at [\d.]+ tok/s, cache (\d+), generated")
@@ -30,6 +31,30 @@ def test_three_turns_through_stdin(models):
         # the whole earlier conversation came from the cache; only the new tail was prefilled
         assert reused >= previous, stats
         assert prefilled + reused == size, stats
+
+
+def test_ranks_rest_while_the_user_thinks(models):
+    """Between turns rank 1 waits for rank 0's wake, not in a collective: over a few idle
+    seconds both ranks use a fraction of one core's time, and the next turn goes on."""
+    answers, _ = reference_chat(models["qwen2"], TURNS[:2], 8)
+    proc = subprocess.Popen([CLI, "chat", "--model", str(models["qwen2"]), "--max-tokens", "8"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        pids = ranks_below(proc.pid, 2)
+        proc.stdin.write(f"{TURNS[0]}\n".encode())
+        proc.stdin.flush()
+        first = (answers[0] + "\n").encode()
+        assert proc.stdout.read(len(first)) == first
+        before = cpu_seconds(pids)
+        time.sleep(3)  # the idle window measured
+        used = cpu_seconds(pids) - before
+        out, err = proc.communicate(f"{TURNS[1]}\n".encode(), timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()
+    assert out.decode() == answers[1] + "\n"
+    assert used < 1.0, f"ranks waiting for the user used {used:.2f} s of CPU in 3 s"
 
 
 def test_reset_and_exit(models):

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.support.processes import CLI, rank_pids
+from tests.support.processes import CLI, cpu_seconds, rank_pids
 from tests.support.reference import reference
 from tests.support.serving import PROMPT, Served, ask, chat_reference, free_port
 
@@ -75,6 +75,18 @@ def test_eight_concurrent_streams_each_get_the_lone_answer(server):
     with ThreadPoolExecutor(8) as pool:
         texts = list(pool.map(one, range(8)))
     assert texts == [expected] * 8
+
+
+def test_idle_ranks_rest_and_wake_for_the_next_request(server):
+    """Between requests no rank waits in a collective (whose receive polls a core): over a
+    few idle seconds the two ranks together use a fraction of one core's time, and the next
+    request wakes them and gets the lone answer."""
+    assert ask(server.client).choices[0].message.content == chat_reference(server.model, 16)
+    before = cpu_seconds(server.pids)
+    time.sleep(3)  # the idle window measured
+    used = cpu_seconds(server.pids) - before
+    assert used < 1.0, f"idle ranks used {used:.2f} s of CPU in 3 s"
+    assert ask(server.client).choices[0].message.content == chat_reference(server.model, 16)
 
 
 def test_client_that_leaves_frees_the_server(server):

@@ -286,34 +286,43 @@ def test_rank0_fits_answers_to_the_memory_every_rank_has():
         admit.request(list(range(50)), Sampling())
 
 
+class Inbox:
+    """Rank 0's inbox as the scheduler reads it, without the channel behind it."""
+
+    def __init__(self):
+        import queue
+        import threading
+
+        self.flights = queue.Queue()
+        self.prepared_all, self.draining = threading.Event(), threading.Event()
+
+    def ended(self, flight):
+        pass
+
+
+def scheduler(room: int | None, emit=lambda e: None, rests: bool = False):
+    import node.jobs.serve as ns
+
+    s = ns.Scheduler(None, emit, True, 30.0, ns.Admission(100, None, None, kv_room=room),
+                     rests=rests)  # fmt: skip
+    s.inbox = Inbox()
+    return s
+
+
+def flight(prompt: int, answer: int):
+    import node.jobs.serve as ns
+
+    t = ns.Flight(ServeRequest(id="r", kind="completion", sampling=Sampling()))
+    t.shared = SharedRequest(Sampling(max_tokens=answer), [1] * prompt)
+    t.size = ns.shared_size(t.shared)
+    return t
+
+
 def test_an_order_waits_for_memory_and_stays_under_its_byte_bound(monkeypatch):
     """Requests join while the KV room of the ranks has place for their prompt and answer
     (the rest wait for answers to end), and while the order stays under ORDER_BYTES: no
     order of many long prompts can pass share_object's limit on every rank."""
-    import queue
-    import threading
-
     import node.jobs.serve as ns
-
-    class Inbox:
-        def __init__(self):
-            self.flights = queue.Queue()
-            self.prepared_all, self.draining = threading.Event(), threading.Event()
-
-        def ended(self, flight):
-            pass
-
-    def scheduler(room):
-        s = ns.Scheduler(None, lambda e: None, True, 30.0,
-                         ns.Admission(100, None, None, kv_room=room))  # fmt: skip
-        s.inbox = Inbox()
-        return s
-
-    def flight(prompt: int, answer: int):
-        t = ns.Flight(ServeRequest(id="r", kind="completion", sampling=Sampling()))
-        t.shared = SharedRequest(Sampling(max_tokens=answer), [1] * prompt)
-        t.size = ns.shared_size(t.shared)
-        return t
 
     s = scheduler(room=100)
     for _ in range(3):
@@ -333,6 +342,38 @@ def test_an_order_waits_for_memory_and_stays_under_its_byte_bound(monkeypatch):
         ns.shared_size(SharedRequest(Sampling(max_tokens=1), [1] * 1000))
     with pytest.raises(ns.Refusal, match="cannot be passed to the other ranks"):
         ns.shared_size(SharedRequest(Sampling(max_tokens=1, stop=["\ud800"]), [1]))
+
+
+def test_an_idle_rank_0_orders_a_rest_and_wakes_the_ranks_for_the_next_request():
+    """With a launcher to pass its Wake on, rank 0 with nothing to do orders a rest at once
+    (no ping every PING_S), waits for a request without a collective, says Wake, and the
+    next order carries the request; without one it pings."""
+    import threading
+
+    from cluster.core.protocol import Wake
+
+    events = []
+    s = scheduler(None, events.append, rests=True)
+    order = s.order(live=0)
+    assert order.rest and not order.insert and not order.quit
+    arrived = flight(4, 4)
+    threading.Timer(0.2, s.inbox.flights.put, (arrived,)).start()
+    s.rest()  # returns once the request is there
+    assert events == [Wake()]
+    assert s.order(live=0).insert == [arrived.shared]
+    s.inserting = []
+    assert s.order(live=0).rest
+
+    def drain():  # as the channel's reader does at END_OF_INPUT
+        s.inbox.prepared_all.set()
+        s.inbox.flights.put(None)
+
+    threading.Timer(0.2, drain).start()
+    s.rest()  # woken by the drain
+    assert events == [Wake(), Wake()] and s.order(live=0).quit
+    pinging = scheduler(None, rests=False)
+    pinging.inbox.flights.put(None)  # what a ping waits for at most (PING_S)
+    assert pinging.order(live=0) is None  # a wake-up with nothing in it: nothing to order
 
 
 def test_a_request_rank_0_cannot_prepare_is_answered_not_lost():

@@ -172,3 +172,33 @@ def test_start_waits_for_the_watchers_signal(monkeypatch, timed):
             assert not watchdog.wait_for_start(0.1)  # no second START: the wait times out
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def test_a_resting_rank_takes_one_wake_per_rest_and_ends_with_the_channel(monkeypatch):
+    """Rank 0's wakes may reach a rank before it rests, or two in one read: each rest takes
+    exactly one; a channel that closes while it rests is an error, not a hang. Resting is
+    idle by design (the heartbeat says so: no stall)."""
+    from node.rank import watchdog
+
+    r, w = os.pipe()
+    monkeypatch.setattr(watchdog, "_input", os.fdopen(r, "rb", buffering=0))
+    monkeypatch.setattr(watchdog, "_wakes", 0)
+    os.write(w, protocol.WAKE * 2)  # two rests' wakes, before either rest
+    monkeypatch.setattr(watchdog, "progress", watchdog.Progress())
+    watchdog.wait_for_wake()
+    watchdog.wait_for_wake()
+    assert watchdog._wakes == 0 and watchdog.progress.steps == 2
+    woke = threading.Event()
+
+    def rest():
+        watchdog.wait_for_wake()
+        woke.set()
+
+    threading.Thread(target=rest, daemon=True).start()
+    assert not woke.wait(0.3)  # no wake yet: it rests, idle by design
+    assert watchdog.progress.idle
+    os.write(w, protocol.WAKE)
+    assert woke.wait(5)
+    os.close(w)
+    with pytest.raises(EOFError, match="closed while this rank rested"):
+        watchdog.wait_for_wake()

@@ -71,6 +71,30 @@ def rank_pid(rank: int) -> int:
     return pids[0]
 
 
+def cpu_seconds(pids) -> float:
+    """User and system CPU time the processes ``pids`` used so far, together (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def ranks_below(root: int, n: int, timeout: float = 120) -> list[int]:
+    """The ``n`` rank processes below process ``root``, rank 0 first (their job.json paths
+    say which), once all of them are there."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = descendant_ranks(root, _children(), _cmdline)
+        if len(pids) == n:
+            return sorted(pids, key=lambda p: _cmdline(p).split("/rank")[-1])
+        assert time.monotonic() < deadline, f"found {len(pids)} of {n} ranks below {root}"
+        time.sleep(0.2)
+
+
 def invoke(*args, input=None) -> subprocess.CompletedProcess:
     """mlx-cluster in this process (click's CliRunner): for everything that fails or answers
     before any rank starts. Same fields as ``run_cli``'s result."""
