@@ -68,9 +68,11 @@ def run(spec: JobSpec) -> None:
     from node.decode.prefill import use_step_args
     from node.model.load import load_shard
     from node.rank.dist import barrier, init_group
+    from node.rank.gpu import report_gpu
     from node.rank.memory import apply_memory_limits
     from node.rank.watchdog import wait_for_start
 
+    report_gpu(emit)
     emit(Phase("init"))
     # every rank joins at the launcher's START, together (cluster.core.protocol.START)
     if not wait_for_start(spec.launcher_timeout):

@@ -182,6 +182,19 @@ class AwaitingInput:
 
 
 @dataclass
+class Gpu:
+    """A rank on a host with NVIDIA GPUs: the GPU its MLX device is (the first of
+    CUDA_VISIBLE_DEVICES, else 0) as nvidia-smi names it, and whether MLX runs on the GPU
+    (its CUDA build). Said once, as the rank starts (cluster.core.gpus)."""
+
+    kind = "gpu"
+    index: int
+    name: str
+    memory_gb: float
+    mlx_cuda: bool
+
+
+@dataclass
 class Wake:
     """Rank 0 has work after a rest (serve's idle rounds, chat's wait for the user): the
     launcher writes WAKE to every other rank."""
@@ -238,6 +251,7 @@ Event = (
     | Memory
     | Notice
     | AwaitingInput
+    | Gpu
     | Wake
     | Error
     | BenchRun

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from cluster.core.gpus import shared_gpu_warning
 from cluster.core.protocol import (
     AwaitingInput,
     Beat,
@@ -18,6 +19,7 @@ from cluster.core.protocol import (
     Error,
     Event,
     FirstToken,
+    Gpu,
     LinkReport,
     Memory,
     Notice,
@@ -54,6 +56,7 @@ class RankState:
     progress_at: float = 0.0  # job time (elapsed) when it last changed
     idle: bool = False  # waits for the user on purpose: no progress is expected
     stalled: bool = False  # given up on because no rank made progress (a stuck collective)
+    gpu: Gpu | None = None  # the NVIDIA GPU its MLX device is, when its host has one
 
 
 @dataclass
@@ -154,10 +157,30 @@ def on_event(job: JobState, rank: int, event: Event, elapsed: float) -> list[Say
         pass  # the launcher shows a prompt when its stdin is a terminal
     elif isinstance(event, Wake):
         pass  # the launcher wakes the other ranks (RankWatch.wake_others)
+    elif isinstance(event, Gpu):
+        state.gpu = event
+        said += shared_gpu(job, rank)
     elif isinstance(event, Beat):
         if event.progress != state.progress or event.idle:
             state.progress, state.progress_at = event.progress, elapsed
         state.idle = event.idle
+    return said
+
+
+def shared_gpu(job: JobState, rank: int) -> list[Say]:
+    """Once every rank of ``rank``'s host said its GPU: a warning for each GPU that several
+    of them would use (cluster.core.gpus)."""
+    host = job.ranks[rank].host
+    here = [r for r in job.ranks if r.host == host]
+    if any(r.gpu is None for r in here):
+        return []
+    said = []
+    for index in sorted({r.gpu.index for r in here if r.gpu is not None}):
+        same = [r for r in here if r.gpu is not None and r.gpu.index == index]
+        if len(same) > 1 and same[0].gpu is not None:
+            gpu = same[0].gpu
+            what = f"GPU {gpu.index} ({gpu.name}, {gpu.memory_gb:.0f} GB)"
+            said.append(Say(shared_gpu_warning([r.rank for r in same], what, host, gpu.mlx_cuda)))
     return said
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from cluster.core.backends import BACKENDS
 from cluster.core.blas import INSTALL_HINT, OPENBLAS_PATHS
+from cluster.core.gpus import shared_gpu_warning
 from cluster.core.hostfile import Host, Hostfile
 from cluster.core.links import link_problems
 from cluster.core.modelcheck import looks_like_repo
@@ -322,7 +323,11 @@ def _check_gpus(r: HostReport, wanted: list[int], backend: str) -> None:
     gpu = r.probe.get("gpu")
     mlx = (gpu or {}).get("mlx") or {}
     if not wanted:
-        if gpu and gpu["devices"] and not BACKENDS[backend].gpus:
+        if gpu and gpu["devices"] and not BACKENDS[backend].gpus and len(r.ranks) > 1:
+            d = gpu["devices"][0]  # MLX's default device: every rank of the host on it
+            what = f"GPU {d['index']} ({d['name']}, {d['memory_mib'] / 1024:.0f} GB)"
+            r.notes.append(shared_gpu_warning(r.ranks, what, r.host.target, bool(mlx.get("cuda"))))
+        elif gpu and gpu["devices"] and not BACKENDS[backend].gpus:
             where = "its ranks run on MLX's default device" if mlx.get("cuda") else (
                 "MLX here is its CPU build, so its ranks run on the CPU")  # fmt: skip
             r.notes.append(

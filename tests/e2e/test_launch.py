@@ -10,6 +10,7 @@ import time
 import pytest
 
 from cluster.core.modelcheck import default_model_path
+from tests.support.gpu import fake_nvidia_smi
 from tests.support.long_context import long_text
 from tests.support.processes import CLI, ROOT, rank_pid, rank_pids, run_cli, start_streaming
 from tests.support.reference import reference
@@ -43,6 +44,19 @@ def test_sharded_output_equals_single_process(models, mode):
     assert p.returncode == 0, p.stderr
     assert p.stdout == expected
     assert f"generated {TOKENS} tokens" in p.stderr
+
+
+def test_ranks_sharing_a_gpu_are_told_and_answer(models, tmp_path):
+    """On a host whose nvidia-smi lists GPUs (a stand-in here), two ranks without `gpus:`
+    would share GPU 0: the launcher says so once, with what to do, and the job goes on."""
+    env = {**os.environ, "PATH": fake_nvidia_smi(tmp_path)}
+    p = run_cli("launch", "-n", 2, "--model", models["llama"], "--max-tokens", 8, PROMPT,
+                env=env)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == reference(models["llama"], PROMPT, 8)
+    warned = [line for line in p.stderr.splitlines() if "GPU 0 (NVIDIA H100 80GB HBM3" in line]
+    assert len(warned) == 1, p.stderr
+    assert "ranks 0 and 1 on localhost run on its CPU" in warned[0]  # MLX's CPU build here
 
 
 def test_one_rank_equals_single_process(models):

@@ -1,8 +1,9 @@
 """`mlx-cluster doctor` on loopback: a local host and a host reached over SSH."""
 
 import json
-import os
 import sys
+
+from tests.support.gpu import fake_nvidia_smi
 
 
 def test_model_share_follows_launchs_split(tmp_path):
@@ -65,16 +66,6 @@ def test_a_linux_host_on_the_reference_blas_gets_a_note_not_a_failure():
     assert blas_cell(None) == "-"
 
 
-FAKE_SMI = """#!/bin/sh
-# nvidia-smi as an H100 box answers (two GPUs), for doctor's GPU checks on a machine without one
-case "$*" in
-  *--query-gpu*) printf '0, NVIDIA H100 80GB HBM3, 81559, 80000, 580.159.04\\n'
-                 printf '1, NVIDIA H100 80GB HBM3, 81559, 81000, 580.159.04\\n' ;;
-  *) printf '| NVIDIA-SMI 580.159.04   Driver Version: 580.159.04   CUDA Version: 13.0 |\\n' ;;
-esac
-"""
-
-
 def test_gpus_a_hostfile_gives_must_be_there_and_mlx_on_them(tmp_path, monkeypatch):
     """A host that says gpus (or runs nccl) is probed with nvidia-smi; MLX's CPU build there
     is a failure that says how to install the CUDA one, a GPU index that is not there too;
@@ -82,11 +73,7 @@ def test_gpus_a_hostfile_gives_must_be_there_and_mlx_on_them(tmp_path, monkeypat
     from cluster.core.hostfile import parse_hostfile
     from cluster.rig.doctor import diagnose, gpu_cell, render
 
-    smi = tmp_path / "bin" / "nvidia-smi"
-    smi.parent.mkdir()
-    smi.write_text(FAKE_SMI)
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path))
     host = {"ssh": "localhost", "python": sys.executable}
     hf = parse_hostfile({"backend": "nccl", "hosts": [dict(host, gpus=[0, 3])]}, "h.yaml")
     (r,) = diagnose(hf)
@@ -105,3 +92,26 @@ def test_gpus_a_hostfile_gives_must_be_there_and_mlx_on_them(tmp_path, monkeypat
     assert not [p for p in ring.problems if p.kind == "gpu"]
     assert any("2 NVIDIA GPU(s) found" in n and "gpus:" in n for n in ring.notes), ring.notes
     assert ring._memory() == ring.probe["memory_bytes"]  # the ranks use the CPU: RAM
+    (two,) = diagnose(parse_hostfile({"hosts": [dict(host, slots=2)]}, "h.yaml"))
+    assert two.ok and any(
+        "ranks 0 and 1 on localhost run on its CPU, though it has GPU 0 "
+        "(NVIDIA H100 80GB HBM3, 80 GB)" in n
+        for n in two.notes
+    ), two.notes
+
+
+def test_ranks_that_would_share_a_gpu_are_warned_with_the_numbers():
+    """Doctor: a host whose ranks have no `gpus:` puts every rank on MLX's default GPU; with
+    MLX on CUDA that is a warning with the measured slow-down and what to do instead."""
+    from cluster.core.hostfile import parse_hostfile
+    from cluster.rig.doctor import HostReport, _check_gpus
+
+    hf = parse_hostfile({"hosts": [{"ssh": "gpubox", "slots": 2}]}, "h.yaml")
+    r = HostReport(hf.hosts[0], [0, 1])
+    device = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559.0}
+    r.probe = {"gpu": {"devices": [device], "mlx": {"cuda": True}}}
+    _check_gpus(r, [], "ring")
+    (note,) = r.notes
+    assert note.startswith("ranks 0 and 1 on gpubox share GPU 0 (NVIDIA H100 80GB HBM3, 80 GB)")
+    assert "0.44x" in note and "0.06x" in note and "-n 1" in note and "gpus: [0, 1]" in note
+    assert r.ok

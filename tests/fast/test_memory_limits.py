@@ -1,5 +1,5 @@
 """A rank's memory limits from its device: the numbers (Metal's working set, a CUDA GPU's free
-memory, 85% of each); set for real where Metal is, nothing done on a CPU."""
+memory, 85% of each); set for real where Metal or CUDA is, nothing done on a CPU."""
 
 import mlx.core as mx
 
@@ -23,8 +23,16 @@ def test_limits_are_set_where_metal_is_and_not_on_a_cpu():
     if not mx.metal.is_available() and not mx.cuda.is_available():
         assert device_limit() is None and apply_memory_limits() is None
         return
-    if not mx.metal.is_available():
-        return  # CUDA: test_gpu.py
+    if mx.cuda.is_available():  # 85% of what the GPU has free as the rank starts, set
+        info = mx.device_info()
+        expected = cuda_limit(info)
+        assert expected is not None and 0 < expected < info["total_memory"], info
+        before = mx.set_memory_limit(expected)
+        mx.set_memory_limit(before)
+        kind, limit = apply_memory_limits()
+        assert kind == "CUDA" and abs(limit - expected) <= 0.02 * expected, (limit, expected)
+        assert mx.set_memory_limit(before) == limit  # the setter returns the limit in force
+        return
     expected = metal_limits(mx.device_info())
     memory_before = mx.set_memory_limit(mx.device_info()["memory_size"])
     mx.set_memory_limit(memory_before)
