@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from cluster.core.backends import BACKENDS
-from cluster.core.hostfile import Hostfile, rank_model_path, split_weights
+from cluster.core.blas import blas_env
+from cluster.core.hostfile import Host, Hostfile, rank_model_path, split_weights
 from cluster.core.modelcheck import (
     ModelError,
     check_kv_quant,
@@ -167,10 +168,22 @@ def rank_launches(hostfile: Hostfile, spec: JobSpec, launch: LaunchSettings) -> 
                 backend=hostfile.backend,
             ).to_json(),
             cwd=e.host.cwd,
-            extra_env=hostfile.env,
+            extra_env={
+                **hostfile.env,
+                **local_blas(e.host, spec.blas, per_host[e.rank], hostfile.env),
+            },  # fmt: skip
         )
         for e in envs
     ]
+
+
+def local_blas(host: Host, mode: str, ranks_on_host: int, extra_env: dict[str, str]) -> dict:
+    """A rank on this machine gets its BLAS from the launcher (cluster.core.blas), so it starts
+    once instead of starting again with OpenBLAS preloaded; a remote rank decides on its host."""
+    if not host.is_local:
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return blas_env(mode, ranks_on_host, {**os.environ, **extra_env}, sys.platform, cores) or {}
 
 
 def log(stderr: IO[str], message: str) -> None:
