@@ -110,6 +110,16 @@ def parse_ranks(ctx, param, value: str) -> list[int]:
     "each (the table and plot then show first-token time and prefill tok/s against it).",
 )
 @click.option(
+    "--concurrency",
+    default="1",
+    show_default=True,
+    callback=lambda ctx, param, value: parse_counts(value, "stream counts", "1,8,32"),
+    help="Answers decoded together, comma-separated (e.g. 1,8,32): each its own synthetic "
+    "prompt, greedy, in one batch as serve decodes concurrent requests; the figures are "
+    "aggregate (prefill of every prompt, decode tokens/s of all streams). mlx-lm's baseline "
+    "runs mlx_lm.benchmark --batch-size N beside it. Speculative decoding runs at 1 only.",
+)
+@click.option(
     "--gen-tokens",
     type=click.IntRange(min=2),
     default=default(BenchSettings, "gen_tokens"),
@@ -169,7 +179,8 @@ def bench(hostfile, backend, json_file, csv_file, plot_file, **values):
     """Measure the model across modes and rank counts, with baselines from the same run.
 
     Each configuration is one job: --warmup untimed runs, then --repeat timed runs of a
-    synthetic prompt of exactly --prompt-tokens tokens, generating exactly --gen-tokens. Per
+    synthetic prompt of exactly --prompt-tokens tokens (--concurrency: that many prompts
+    decoded together), generating exactly --gen-tokens. Per
     configuration: time to first token, prefill and generation tokens/s (median [min-max]),
     load time, time from the job's start to its first token, peak memory per rank, the
     collectives each token needs and the all_sum latency at the activation size, the decode
@@ -186,6 +197,7 @@ def bench(hostfile, backend, json_file, csv_file, plot_file, **values):
       mlx-cluster bench --ranks 1,2,3
       mlx-cluster bench --model ./big --draft-model ./small --ranks 2 --baselines none
       mlx-cluster bench --model ./my-model --modes tensor --json out.json --plot out.png
+      mlx-cluster bench --ranks 1,2 --concurrency 1,8,32 --gen-tokens 64
       mlx-cluster bench --hostfile hostfiles/thunderbolt-ring.yaml --model ./m --ranks 1,2,4
     """
     values["model"] = model_or_default(values["model"])

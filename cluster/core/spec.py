@@ -448,6 +448,7 @@ class BenchSettings:
     gen_tokens: int = 128
     warmup: int = 1
     repeat: int = 3
+    streams: int = 1  # answers decoded together, each with its own prompt (bench --concurrency)
 
 
 @dataclass

@@ -59,6 +59,7 @@ class BenchPlan(BenchSettings):
     kv_quant: KVQuant = field(default_factory=KVQuant)  # ours only: mlx_lm.benchmark has none
     prefill_step: int | None = None  # None: each side's default
     prompt_lengths: list[int] = field(default_factory=list)  # each sweep's; [] -> prompt_tokens
+    concurrency: list[int] = field(default_factory=lambda: [1])  # streams decoded together
 
     @property
     def lengths(self) -> list[int]:
@@ -72,6 +73,7 @@ class Config:
     ranks: int
     draft: bool = False  # with the plan's speculative decoding
     prompt_tokens: int = 512
+    streams: int = 1  # answers decoded together
 
     @property
     def label(self) -> str:
@@ -79,6 +81,7 @@ class Config:
             f"{self.impl} {self.mode or 'single'} {self.ranks} rank(s)"
             + (" with the draft" if self.draft else "")
             + f", {self.prompt_tokens}-token prompt"
+            + (f", {self.streams} streams" if self.streams > 1 else "")
         )
 
 
@@ -90,15 +93,18 @@ def configs(plan: BenchPlan) -> list[Config]:
     out = []
     drafts = [False, True] if plan.draft.on else [False]
     for p in plan.lengths:
-        if 1 in plan.ranks or "single" in plan.baselines:
-            out += [Config(OURS, None, 1, draft, p) for draft in drafts]
-            if theirs:  # one process: no launcher to tell apart
-                out.append(Config(MLX_LM, None, 1, prompt_tokens=p))
-        for mode in plan.modes:
-            for n in plan.ranks:
-                if n > 1:
-                    out += [Config(OURS, mode, n, draft, p) for draft in drafts]
-                    out.extend(Config(impl, mode, n, prompt_tokens=p) for impl in theirs)
+        for c in plan.concurrency:
+            ours = drafts if c == 1 else [False]  # speculative decoding: one stream
+            if 1 in plan.ranks or "single" in plan.baselines:
+                out += [Config(OURS, None, 1, draft, p, c) for draft in ours]
+                if theirs:  # one process: no launcher to tell apart
+                    out.append(Config(MLX_LM, None, 1, prompt_tokens=p, streams=c))
+            for mode in plan.modes:
+                for n in plan.ranks:
+                    if n > 1:
+                        out += [Config(OURS, mode, n, draft, p, c) for draft in ours]
+                        out.extend(Config(impl, mode, n, prompt_tokens=p, streams=c)
+                                   for impl in theirs)  # fmt: skip
     return out
 
 
@@ -141,6 +147,7 @@ def blank(config: Config, plan: BenchPlan) -> dict:
         "reason": None,
         "command": None,
         "prompt_tokens": config.prompt_tokens,
+        "streams": config.streams,
         "gen_tokens": plan.gen_tokens,
         "warmup": plan.warmup if config.impl == OURS else 1,  # mlx_lm.benchmark's own
         "repeat": plan.repeat,
@@ -193,6 +200,7 @@ def run_ours(
         bench=replace(
             BenchSettings(**{f.name: getattr(plan, f.name) for f in fields(BenchSettings)}),
             prompt_tokens=config.prompt_tokens,
+            streams=config.streams,
         ),
         draft=plan.draft if config.draft else Draft(),
         kv_quant=plan.kv_quant,
@@ -227,8 +235,8 @@ def run_ours(
         row["allsum_latency_s"] = comm[0].allsum_latency_s
         row["comm_s_per_token"] = row["collectives_per_token"] * row["allsum_latency_s"]
         gen = row["generation_tps"]
-        if gen:
-            row["comm_share"] = row["comm_s_per_token"] * gen["median"]
+        if gen:  # one step decodes a token of every stream, with one step's collectives
+            row["comm_share"] = row["comm_s_per_token"] * gen["median"] / config.streams
     return row
 
 
@@ -252,7 +260,8 @@ def our_command(config: Config, plan: BenchPlan, hostfile: Hostfile) -> str:
     mode += step_flags(plan)
     return (
         f"mlx-cluster bench {where} --model {plan.model}{mode} --ranks {config.ranks} "
-        f"--prompt-tokens {config.prompt_tokens} --gen-tokens {plan.gen_tokens} "
+        f"--prompt-tokens {config.prompt_tokens} --concurrency {config.streams} "
+        f"--gen-tokens {plan.gen_tokens} "
         f"--repeat {plan.repeat} --warmup {plan.warmup} --baselines none"
     ).replace("  ", " ")
 
@@ -285,6 +294,8 @@ def mlx_lm_command(config: Config, plan: BenchPlan, python: str) -> list[str]:
     ]
     if plan.prefill_step:
         bench += ["--prefill-step-size", str(plan.prefill_step)]
+    if config.streams > 1:  # batch_generate: the streams decoded together, aggregate figures
+        bench += ["--batch-size", str(config.streams)]
     return bench + (["--pipeline"] if config.mode == "pipeline" else [])
 
 
@@ -352,11 +363,11 @@ def run_mlx_lm(config: Config, plan: BenchPlan, hostfile: Hostfile, stderr) -> d
         prompt_tps, generation_tps = float(m.group(1)), float(m.group(2))
         row["runs"].append(
             {
-                "ttft_s": config.prompt_tokens / prompt_tps,
+                "ttft_s": config.prompt_tokens * config.streams / prompt_tps,
                 "prefill_tps": prompt_tps,
                 # mlx-lm divides n tokens by the time after the first: ours counts n-1
                 "generation_tps": generation_tps * (g - 1) / g,
-                "generated": g,
+                "generated": g * config.streams,
                 "generation_tps_reported": generation_tps,
             }
         )
@@ -450,14 +461,14 @@ def add_ratios(rows: list[dict]) -> None:
     """Ratios from the same run: against the 1-rank row of the same implementation, and
     (ours) against mlx-lm's row of the same mode and rank count."""
     ok = {
-        (r["impl"], r["mode"], r["ranks"], r["draft"], r["prompt_tokens"]): r
+        (r["impl"], r["mode"], r["ranks"], r["draft"], (r["prompt_tokens"], r["streams"])): r
         for r in rows
         if r["status"] == "ok"
     }
     for r in rows:
         if r["status"] != "ok":
             continue
-        p = r["prompt_tokens"]
+        p = (r["prompt_tokens"], r["streams"])
         if r["draft"] and (plain := ok.get((r["impl"], r["mode"], r["ranks"], False, p))):
             r["vs_no_draft"] = _ratios(r, plain)
         single = ok.get((_single_impl(r["impl"]), None, 1, False, p))
@@ -478,8 +489,8 @@ def predicted_generation_tps(row: dict, single: dict) -> float | None:
     ranks; pipeline: the stages run one after another, so all of it) plus, per token, the
     collectives on its path times the all_sum latency measured in the same job."""
     gen, comm = single["generation_tps"], row["comm_s_per_token"]
-    if not gen or not gen["median"] or comm is None:
-        return None
+    if not gen or not gen["median"] or comm is None or row.get("streams", 1) > 1:
+        return None  # the model is one stream's
     compute = 1 / gen["median"] / (row["ranks"] if row["mode"] == "tensor" else 1)
     return 1 / (compute + comm)
 
@@ -577,9 +588,12 @@ def table(rows: list[dict]) -> str:
     draft, each configuration's row with it follows the row without, and says the ratio."""
     drafts = any(r.get("draft") for r in rows)
     lengths = len({r["prompt_tokens"] for r in rows}) > 1
+    streams = len({r.get("streams", 1) for r in rows}) > 1
     head = list(TABLE_HEAD)
     if drafts:
         head[9:9] = DRAFT_HEAD
+    if streams:
+        head[3:3] = ["streams"]
     if lengths:
         head[3:3] = ["prompt tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -614,9 +628,11 @@ def table(rows: list[dict]) -> str:
                     _fmt_ratio(r.get("vs_no_draft")),
                     "-" if accepted is None else f"{100 * accepted:.0f}%",
                 ]
+        if streams:
+            cells[3:3] = [str(r.get("streams", 1))]
         if lengths:
             cells[3:3] = [str(r["prompt_tokens"])]
-            cells = cells[: len(head)]
+        cells = cells[: len(head)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -630,6 +646,7 @@ CSV_FIELDS = (
     "status",
     "reason",
     "prompt_tokens",
+    "streams",
     "gen_tokens",
     "warmup",
     "repeat",

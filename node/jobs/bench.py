@@ -20,12 +20,12 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from cluster.core.protocol import BenchComm, BenchRun, FirstToken, Phase
-from cluster.core.spec import Sampling, SharedRequest
+from cluster.core.spec import Order, Sampling, SharedRequest
 from node.decode.loop import draft_counts, stream, token_stream
 from node.decode.sampling import seeded
 from node.decode.text import AnswerText
 from node.jobs import Job
-from node.rank.numbers import host_ints
+from node.rank.numbers import host_ints, host_rows
 
 COLLECTIVES = ("all_sum", "all_gather", "all_max", "all_min", "send", "recv", "recv_like")
 ALLSUM_WARMUP = 5
@@ -118,8 +118,60 @@ def allsum_latency(group, hidden_size: int, dtype) -> dict:
     }
 
 
+def synthetic_prompts(vocab_size: int, n: int, streams: int) -> list[list[int]]:
+    """``streams`` prompts of ``n`` ids, as mlx_lm.benchmark draws a batch's (seed 0)."""
+    mx.random.seed(0)
+    return host_rows(mx.random.randint(0, vocab_size, (streams, n)))
+
+
+def batch_run(job: Job, prompts: list[list[int]], gen_tokens: int,
+              on_first: Callable[[], None] | None) -> tuple[dict, str]:  # fmt: skip
+    """One run of ``len(prompts)`` greedy answers decoded together, the way serve decodes
+    concurrent requests (node.jobs.batch.Lockstep: mlx-lm's BatchGenerator on every rank
+    in lockstep); its figures (the prompts' prefill until every stream has its first token,
+    then the aggregate decode rate) and a digest of every stream's tokens."""
+    from node.jobs.batch import Lockstep
+
+    spec, loaded = job.spec, job.loaded
+    streams = len(prompts)
+    batch = Lockstep(loaded.model, loaded.tokenizer, streams, streams, 0, group=job.group,
+                     prefill_step=spec.prefill_step or 2048,
+                     stages=spec.world_size if spec.mode == "pipeline" else 1)  # fmt: skip
+    tokens: dict[int, list[int]] = {}
+    firsts: dict[int, float] = {}
+    last = 0.0
+
+    def on_token(r) -> None:
+        nonlocal last
+        last = time.perf_counter()
+        if r.uid not in firsts:
+            firsts[r.uid] = last
+            if on_first is not None and len(firsts) == 1:
+                on_first()
+        tokens.setdefault(r.uid, []).append(r.token)
+
+    start = time.perf_counter()
+    requests = [SharedRequest(Sampling(max_tokens=gen_tokens), p) for p in prompts]
+    batch.apply(Order(insert=requests))
+    while batch.live:
+        batch.round(on_token)
+    batch.close()
+    generated = sum(len(t) for t in tokens.values())
+    all_first = max(firsts.values())
+    decode_s = last - all_first
+    figures = {
+        "ttft_s": all_first - start,
+        "prefill_tps": sum(map(len, prompts)) / (all_first - start),
+        "generation_tps": (generated - streams) / decode_s if decode_s > 0 else None,
+        "generated": generated,
+    }
+    digest = hashlib.sha256(str([tokens[u] for u in sorted(tokens)]).encode()).hexdigest()[:16]
+    return figures, digest
+
+
 def run_bench(job: Job) -> None:
-    """``warmup`` + ``repeat`` runs of the synthetic prompt; EOS cannot end a run."""
+    """``warmup`` + ``repeat`` runs of the synthetic prompt (of ``streams`` prompts decoded
+    together); EOS cannot end a run."""
     loaded, group, b, emit = job.loaded, job.group, job.spec.bench, job.emit
     rank = group.rank()
     model, tokenizer, config = loaded.model, loaded.tokenizer, loaded.config
@@ -129,7 +181,14 @@ def run_bench(job: Job) -> None:
     prompt = synthetic_prompt(vocab, b.prompt_tokens)
     request = SharedRequest(seeded(Sampling(max_tokens=b.gen_tokens, seed=0)), prompt)
     runs = b.warmup + b.repeat
-    for i in range(runs):
+    prompts = synthetic_prompts(vocab, b.prompt_tokens, b.streams) if b.streams > 1 else []
+    for i in range(runs if prompts else 0):
+        emit(Phase("generating", prompt_tokens=b.prompt_tokens * b.streams))
+        first = (lambda: emit(FirstToken())) if i == 0 and rank == 0 else None
+        figures, digest = batch_run(job, prompts, b.gen_tokens, first)
+        if rank == 0:
+            emit(BenchRun(run=i, warmup=i < b.warmup, tokens_sha=digest, **figures))
+    for i in range(0 if prompts else runs):
         emit(Phase("generating", prompt_tokens=len(prompt)))
         first = (lambda: emit(FirstToken())) if i == 0 and rank == 0 else None
         speculation = loaded.speculation

@@ -24,3 +24,7 @@ def host_ints(a: mx.array) -> list[int]:
 
 def host_floats(a: mx.array) -> list[float]:
     return cast(list[float], a.tolist())
+
+
+def host_rows(a: mx.array) -> list[list[int]]:
+    return cast(list[list[int]], a.tolist())

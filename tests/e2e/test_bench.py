@@ -359,3 +359,50 @@ def test_kv_bits_and_prefill_step_reach_our_ranks_not_mlx_lm(kv_model):
     assert " ".join(flags) in ours["command"], ours["command"]
     baseline = rows[("mlx-lm", 2)]
     assert baseline["status"] == "skipped" and "--kv-bits" in baseline["reason"], baseline
+
+
+def reference_batch_sha(model_dir, prompt_tokens: int, gen_tokens: int, streams: int) -> str:
+    """Single-process mlx-lm's greedy tokens for each of mlx_lm.benchmark's ``streams``
+    synthetic prompts (one batch of them, seed 0), each decoded alone."""
+    import mlx.core as mx
+    from mlx_lm import load, stream_generate
+
+    model, tokenizer = load(str(model_dir))
+    tokenizer.eos_token_ids = set()
+    mx.random.seed(0)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = mx.random.randint(0, vocab, (streams, prompt_tokens)).tolist()
+    tokens = [[r.token for r in stream_generate(model, tokenizer, p, max_tokens=gen_tokens)]
+              for p in prompts]  # fmt: skip
+    return hashlib.sha256(str(tokens).encode()).hexdigest()[:16]
+
+
+def test_concurrent_streams_decode_each_prompts_lone_answer(models, tmp_path):
+    """--concurrency 1,4: four prompts decoded together on 1 rank and on 2 (tensor), each
+    stream the tokens single-process mlx-lm decodes for that prompt alone; mlx_lm.benchmark
+    --batch-size 4 beside them; aggregate figures, ratios within a stream count."""
+    out = tmp_path / "c.json"
+    p = run_cli("bench", "--model", models["qwen2"], "--ranks", "1,2", "--modes", "tensor",
+                "--concurrency", "1,4", "--baselines", "mlx-lm", "--prompt-tokens", 16,
+                "--gen-tokens", GEN_TOKENS, "--repeat", 1, "--warmup", 1, "--json", out,
+                timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["impl"], r["ranks"], r["streams"]) for r in rows] == [
+        ("mlx-cluster", 1, 1), ("mlx-lm", 1, 1), ("mlx-cluster", 2, 1), ("mlx-lm", 2, 1),
+        ("mlx-cluster", 1, 4), ("mlx-lm", 1, 4), ("mlx-cluster", 2, 4), ("mlx-lm", 2, 4),
+    ]  # fmt: skip
+    assert all(r["status"] == "ok" for r in rows), [(r["impl"], r["reason"]) for r in rows]
+    four = [r for r in rows if r["streams"] == 4 and r["impl"] == "mlx-cluster"]
+    expected = reference_batch_sha(models["qwen2"], 16, GEN_TOKENS, 4)
+    assert [r["tokens_sha"] for r in four] == [expected, expected]
+    for r in four:
+        assert r["runs"][0]["generated"] == 4 * GEN_TOKENS
+        assert r["generation_tps"]["median"] > 0 and r["prefill_tps"]["median"] > 0
+        assert r["vs_mlx_lm"]["generation_tps"] > 0  # against --batch-size 4, not 1 stream
+    mlx_lm_four = next(r for r in rows if r["impl"] == "mlx-lm" and r["streams"] == 4)
+    assert "--batch-size 4" in mlx_lm_four["command"]
+    assert four[1]["vs_single"]["generation_tps"] == pytest.approx(
+        four[1]["generation_tps"]["median"] / four[0]["generation_tps"]["median"]
+    )
+    assert "| ranks | streams | first token s |" in p.stdout.splitlines()[0]

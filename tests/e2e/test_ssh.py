@@ -268,9 +268,19 @@ def test_secrets_travel_in_a_private_file_not_argv(sshd, models, tmp_path):
     assert "s3cret" not in p.stderr
 
 
-def test_start_timeout_names_the_rank(models):
-    p = run_cli("launch", "--start-timeout", 1, "--model", models["llama"], PROMPT)
-    assert p.returncode == 1
+def test_start_timeout_names_the_rank(models, tmp_path):
+    """A rank that never gets ready (its python hangs before saying anything; a real rank of
+    the test model is ready in under a second) is named after the start timeout, and
+    stopped."""
+    hang = tmp_path / "python-that-hangs"
+    hang.write_text("#!/bin/sh\nsleep 120\n")
+    hang.chmod(0o755)
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(f"python: {hang}\nhosts:\n  - ssh: localhost\n    ips: [127.0.0.1]\n"
+                     "    slots: 2\n")  # fmt: skip
+    p = run_cli("launch", "--hostfile", hosts, "--start-timeout", 1, "--model", models["llama"],
+                PROMPT)  # fmt: skip
+    assert p.returncode == 1, p.stderr
     assert "stopped responding while" in p.stderr
     assert "not ready after the start timeout of 1 s (--start-timeout)" in p.stderr
     assert rank_pids() == []

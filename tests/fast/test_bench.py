@@ -55,3 +55,28 @@ def test_prefill_step_goes_to_mlx_lm_benchmark_too():
     plan = BenchPlan(model="m", modes=["pipeline"], ranks=[2], prefill_step=512)
     argv = mlx_lm_command(Config("mlx-lm", "pipeline", 2, False, 1024), plan, "python")
     assert argv[argv.index("--prefill-step-size") + 1] == "512"
+
+
+def test_each_concurrency_gets_the_sweep_mlx_lm_its_batch_size_and_a_column():
+    """--concurrency 1,4: every configuration at each stream count, mlx_lm.benchmark with
+    --batch-size beside it; speculative decoding only at one stream; a streams column."""
+    from cluster.core.spec import Draft
+    from cluster.rig.bench import mlx_lm_command, table
+
+    plan = BenchPlan(model="m", modes=["tensor"], ranks=[1, 2], concurrency=[1, 4],
+                     draft=Draft(prompt_lookup=2))  # fmt: skip
+    got = [(c.impl, c.mode, c.ranks, c.draft, c.streams) for c in configs(plan)]
+    assert got == [
+        ("mlx-cluster", None, 1, False, 1), ("mlx-cluster", None, 1, True, 1),
+        ("mlx-lm", None, 1, False, 1), ("mlx-cluster", "tensor", 2, False, 1),
+        ("mlx-cluster", "tensor", 2, True, 1), ("mlx-lm", "tensor", 2, False, 1),
+        ("mlx-cluster", None, 1, False, 4), ("mlx-lm", None, 1, False, 4),
+        ("mlx-cluster", "tensor", 2, False, 4), ("mlx-lm", "tensor", 2, False, 4),
+    ]  # fmt: skip
+    four = configs(plan)[-1]
+    argv = mlx_lm_command(four, plan, "python")
+    assert argv[argv.index("--batch-size") + 1] == "4"
+    assert "--batch-size" not in mlx_lm_command(configs(plan)[2], plan, "python")
+    rows = [{**blank(c, plan), "status": "failed", "reason": "x"} for c in configs(plan)[5:7]]
+    assert "| ranks | streams | first token s |" in table(rows)
+    assert "| 1 | 4 | failed: x |" in table(rows)
