@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from node.rank.watchdog import hold_start
 
-    hold_start()  # before any thread exists (mlx starts its own): START may come to any of them
+    hold_start()  # before Phase("init"): START may come to any of the process's threads
     try:
         with open(args.spec) as f:
             spec = JobSpec.from_json(f.read())

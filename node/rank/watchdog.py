@@ -146,24 +146,41 @@ def start_launcher_link(timeout: float) -> None:
     _input = os.fdopen(data_r, "rb", buffering=0)
 
 
+_wakeup: tuple[int, int] | None = None  # the pipe the signal's C handler writes to
+
+
 def hold_start() -> None:
-    """Keep START_SIGNAL pending for ``wait_for_start``. First thing in the rank, before any
-    thread exists: a process-directed signal goes to any thread that does not block it, and
-    its default action would end the rank. (The watcher inherits the mask: it only sends.)"""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {START_SIGNAL})
+    """Catch START_SIGNAL for ``wait_for_start``, in whichever thread the kernel gives it to.
+    A process-directed signal goes to any thread that does not block it, and its default
+    action ends the process; threads that exist before this runs cannot be made to block it
+    (OpenBLAS, preloaded, starts its thread pool before Python does). So a handler takes it
+    wherever it lands, and the handler's C part wakes ``wait_for_start`` through a wakeup pipe
+    (signal.set_wakeup_fd) even when another thread ran it. First thing in the rank: the
+    launcher sends START only after this rank said Phase("init")."""
+    global _wakeup
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(START_SIGNAL, lambda signum, frame: None)  # the wakeup pipe says it came
+    _wakeup = (r, w)
 
 
 def wait_for_start(timeout: float) -> bool:
     """Until the launcher's START reaches this rank through its watcher (False after
     ``timeout``: the launcher sends it once every rank is ready to join the group)."""
-    if _watcher is None:
+    if _watcher is None or _wakeup is None:
         return True  # no launcher: nobody to wait for
-    if hasattr(signal, "sigtimedwait"):
-        return signal.sigtimedwait({START_SIGNAL}, timeout) is not None
-    # macOS has no sigtimedwait: wait without a bound (a launcher that is gone, or that stops
-    # the job, ends this rank through the watcher or SIGTERM, neither of which is blocked)
-    signal.sigwait({START_SIGNAL})
-    return True
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([_wakeup[0]], [], [], left)
+        try:
+            data = os.read(_wakeup[0], 256) if ready else b""
+        except BlockingIOError:
+            data = b""
+        if bytes([START_SIGNAL]) in data:  # other signals' bytes: their handlers run anyway
+            return True
+    return False
 
 
 def can_rest() -> bool:
