@@ -253,12 +253,20 @@ def test_ctrl_c_stops_every_rank_and_keeps_what_was_measured(models, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    for line in proc.stderr:  # wait until the first configuration is generating
-        if "all ranks ready" in line:
-            break
-    assert rank_pids()
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)
+    try:
+        for line in proc.stderr:  # wait until the first configuration is generating
+            if "all ranks ready" in line:
+                break
+        assert rank_pids()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # a failure above: leave no sweep running for later tests
+            proc.terminate()  # bench stops its ranks and baselines on SIGTERM
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     assert proc.returncode == 130, stderr
     assert "bench stopped; 0 configuration(s) measured" in stderr
     assert json.loads(out.read_text())["results"] == []
