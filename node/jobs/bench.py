@@ -169,6 +169,23 @@ def batch_run(job: Job, prompts: list[list[int]], gen_tokens: int,
     return figures, digest
 
 
+def lone_run(job: Job, request: SharedRequest, first: Callable[[], None] | None
+             ) -> tuple[dict, str]:  # fmt: skip
+    """One run of the synthetic prompt alone, through launch's decode loop; with a proposer,
+    the drafted and accepted counts."""
+    loaded, b = job.loaded, job.spec.bench
+    job.emit(Phase("generating", prompt_tokens=len(request.tokens)))
+    speculation = loaded.speculation
+    clock = Clock(token_stream(loaded.model, loaded.tokenizer, request, speculation=speculation),
+                  first)  # fmt: skip
+    answer = stream(clock, None, AnswerText([]), job.group, None, generation_stream)
+    figures = run_figures(clock, len(request.tokens)) if job.group.rank() == 0 else {}
+    if speculation is not None and figures:
+        drafted, accepted = draft_counts(answer.from_draft, speculation.k, b.gen_tokens)
+        figures.update(draft_n=drafted, draft_n_accepted=accepted)
+    return figures, hashlib.sha256(str(answer.tokens).encode()).hexdigest()[:16]
+
+
 def run_bench(job: Job) -> None:
     """``warmup`` + ``repeat`` runs of the synthetic prompt (of ``streams`` prompts decoded
     together); EOS cannot end a run."""
@@ -180,26 +197,15 @@ def run_bench(job: Job) -> None:
     vocab = config.get("vocab_size") or text_config["vocab_size"]
     prompt = synthetic_prompt(vocab, b.prompt_tokens)
     request = SharedRequest(seeded(Sampling(max_tokens=b.gen_tokens, seed=0)), prompt)
-    runs = b.warmup + b.repeat
-    prompts = synthetic_prompts(vocab, b.prompt_tokens, b.streams) if b.streams > 1 else []
-    for i in range(runs if prompts else 0):
-        emit(Phase("generating", prompt_tokens=b.prompt_tokens * b.streams))
+    prompts = synthetic_prompts(vocab, b.prompt_tokens, b.streams) if b.streams > 1 else None
+    for i in range(b.warmup + b.repeat):
         first = (lambda: emit(FirstToken())) if i == 0 and rank == 0 else None
-        figures, digest = batch_run(job, prompts, b.gen_tokens, first)
+        if prompts:
+            emit(Phase("generating", prompt_tokens=b.prompt_tokens * b.streams))
+            figures, digest = batch_run(job, prompts, b.gen_tokens, first)
+        else:
+            figures, digest = lone_run(job, request, first)
         if rank == 0:
-            emit(BenchRun(run=i, warmup=i < b.warmup, tokens_sha=digest, **figures))
-    for i in range(0 if prompts else runs):
-        emit(Phase("generating", prompt_tokens=len(prompt)))
-        first = (lambda: emit(FirstToken())) if i == 0 and rank == 0 else None
-        speculation = loaded.speculation
-        clock = Clock(token_stream(model, tokenizer, request, speculation=speculation), first)
-        answer = stream(clock, None, AnswerText([]), group, None, generation_stream)
-        if rank == 0:
-            figures = run_figures(clock, len(prompt))
-            if speculation is not None:
-                drafted, accepted = draft_counts(answer.from_draft, speculation.k, b.gen_tokens)
-                figures.update(draft_n=drafted, draft_n_accepted=accepted)
-            digest = hashlib.sha256(str(answer.tokens).encode()).hexdigest()[:16]
             emit(BenchRun(run=i, warmup=i < b.warmup, tokens_sha=digest, **figures))
     counts = count_collectives(model, prompt[-1])
     comm: dict[str, Any] = {"counts": dict(counts)}
