@@ -2,14 +2,20 @@
 (node/model/tensor.py) and the preflight checks and reports before any rank starts.
 
 Query heads and MLP columns are split in proportion to each rank's weight (equal by default;
-``memory_gb`` or ``--split`` otherwise), as contiguous spans: 64 heads over 3 ranks is 22/21/21.
+``memory_gb`` or ``--split`` otherwise), as contiguous spans: 6 heads over 4 ranks is 2/2/1/1.
 A rank holds the KV heads its query heads use, so KV heads are replicated when ranks outnumber
-them or do not divide them (as vLLM does). On a quantized model every span boundary that cuts
-the input of a row-parallel layer (o_proj, down_proj) falls on a quantization-group boundary.
+them (as vLLM does). Where an even split of the query heads would cut a KV head's group (9
+heads and 3 KV heads over 2 ranks: 5/4, each rank then holding one KV head per query head),
+the heads are split on the groups instead (6/3, KV heads 2/1) whenever that gives the busiest
+rank less attention work (``attention_load``); the MLP's columns then even out each rank's
+work (``mlp_shares``: the rank with more heads gets fewer columns). On a quantized model
+every span boundary that cuts the input of a row-parallel layer (o_proj, down_proj) falls on a
+quantization-group boundary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +59,48 @@ def kv_heads_for(q_span: tuple[int, int], n_heads: int, n_kv: int) -> list[int]:
     if len(needed) % len(unique) == 0 and needed == [k for k in unique for _ in range(run)]:
         return unique
     return needed
+
+
+def by_kv_groups(
+    n_heads: int, n_kv: int, weights: Sequence[float], heads_unit: int
+) -> list[tuple[tuple[int, int], list[int]]] | None:
+    """Query heads split on KV-group boundaries (each rank a span of whole KV heads with all
+    their query heads): (query span, KV heads) per rank, or None when the ranks outnumber the
+    KV heads or a boundary would cut a quantization group."""
+    group = n_heads // n_kv
+    if n_kv < len(weights) or math.lcm(group, heads_unit) != group:
+        return None
+    return [((a * group, b * group), list(range(a, b))) for a, b in spans(n_kv, weights)]
+
+
+def attention_load(plan: list[tuple[tuple[int, int], list[int]]], weights: Sequence[float]
+                   ) -> float:  # fmt: skip
+    """The busiest rank's attention work for its share: a query head (its q and o
+    projections, its scores) and a KV head held (its k and v projections, its cache read
+    every step) count one each."""
+    return max((b - a + len(kv)) / w for ((a, b), kv), w in zip(plan, weights, strict=True))
+
+
+def mlp_shares(heads: list[tuple[int, int]], kv: list[list[int]], inter: Any, hidden: Any,
+               head_dim: Any, weights: Sequence[float], experts: bool = False
+               ) -> list[float] | None:  # fmt: skip
+    """Each rank's share of a dense MLP's columns that evens out every rank's work for its
+    weight, when the attention split is uneven (6/3 heads on KV groups): a rank with more
+    heads gets fewer columns. Work counts multiply-adds per token: a query head's q and o
+    projections and a KV head's k and v are 2 * hidden * head_dim each, an MLP column's gate,
+    up and down 3 * hidden. None when the attention is even, the sizes are not known, or the
+    model has experts (whose columns follow intermediate_size in some families, and whose work
+    per token depends on how many are chosen)."""
+    if not all(isinstance(x, int) and x > 0 for x in (inter, hidden, head_dim)) or experts:
+        return None
+    held = [b - a + len(k) for (a, b), k in zip(heads, kv, strict=True)]
+    attention = [2 * hidden * head_dim * n for n in held]
+    if len({a / w for a, w in zip(attention, weights, strict=True)}) == 1:
+        return None
+    total = sum(attention) + 3 * hidden * inter
+    targets = [total * w / sum(weights) for w in weights]
+    shares = [t - a for t, a in zip(targets, attention, strict=True)]
+    return shares if min(shares) > 0 else None
 
 
 @dataclass
@@ -134,12 +182,23 @@ def plan_tensor(
 
     heads = split("num_attention_heads", n_heads, heads_unit)
     assert heads is not None  # n_heads is an int
-    mlp = split("intermediate_size", cfg.get("intermediate_size"), group or 1)
+    kv = [kv_heads_for(s, n_heads, n_kv) for s in heads]
+    whole = by_kv_groups(n_heads, n_kv, weights, heads_unit)
+    if whole is not None and attention_load(whole, weights) < attention_load(
+        list(zip(heads, kv, strict=True)), weights
+    ):
+        heads, kv = [h for h, _ in whole], [k for _, k in whole]
+    inter = cfg.get("intermediate_size")
+    experts = any(k in cfg for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    even_out = mlp_shares(heads, kv, inter, hidden, head_dim, weights, experts)
+    mlp = split("intermediate_size", inter, group or 1)
+    if even_out is not None and isinstance(inter, int):
+        with contextlib.suppress(ValueError):  # too few columns to even out: as the weights say
+            mlp = spans(inter, even_out, group or 1)
     moe = split("moe_intermediate_size", cfg.get("moe_intermediate_size"), group or 1)
     shared = split(
         "shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"), group or 1
     )
-    kv = [kv_heads_for(s, n_heads, n_kv) for s in heads]
     return TensorPlan(heads, kv, n_kv, mlp, moe, shared)
 
 

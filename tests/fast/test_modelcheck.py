@@ -33,9 +33,28 @@ def test_tensor_plan_uneven_heads_replicated_kv_and_its_cost():
     assert even.even() and even.kv == [[0, 1], [2, 3], [4, 5]] and even.kv_note() is None
 
 
+def test_tensor_plan_splits_on_kv_groups_when_that_is_less_work():
+    """9 heads and 3 KV heads over 2 ranks: 5/4 would hold 5 and 4 KV heads (one per query
+    head); 6/3 on the groups holds 2 and 1, less for the busiest rank."""
+    nine = {**CFG, "num_attention_heads": 9, "num_key_value_heads": 3}
+    plan = check_mode(nine, "tensor", 2)
+    assert plan.heads == [(0, 6), (6, 9)] and plan.kv == [[0, 1], [2]]
+    assert plan.mlp == [(0, 96), (96, 192)]  # sizes unknown: columns as the weights say
+    # with the sizes, the MLP evens out the work: rank 0's 6+2 heads of 2*576*64 multiply-adds
+    # against rank 1's 3+1, an MLP column 3*576
+    sized = check_mode({**nine, "hidden_size": 576, "intermediate_size": 1536}, "tensor", 2)
+    assert sized.mlp == [(0, 683), (683, 1536)]
+    # a tie keeps the even query split: 12 heads and 6 KV heads over 4 ranks (3+3 each way)
+    tie = check_mode({**CFG, "num_attention_heads": 12, "num_key_value_heads": 6}, "tensor", 4)
+    assert tie.heads == [(0, 3), (3, 6), (6, 9), (9, 12)]
+
+
 def test_tensor_plan_in_proportion_to_memory():
     big = {**CFG, "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 1024}
-    assert [b - a for a, b in check_mode(big, "tensor", 3).heads] == [22, 21, 21]
+    # 22/21/21 would cut KV groups of 8 (one KV head held per query head): whole groups
+    three = check_mode(big, "tensor", 3)
+    assert [b - a for a, b in three.heads] == [24, 24, 16]
+    assert three.kv == [[0, 1, 2], [3, 4, 5], [6, 7]] and three.kv_note() is None
     plan = check_mode(big, "tensor", 2, [192, 64])  # a 192 GB and a 64 GB Mac
     assert [b - a for a, b in plan.heads] == [48, 16]
     assert [b - a for a, b in plan.mlp] == [768, 256]
