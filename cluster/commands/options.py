@@ -226,7 +226,7 @@ SAMPLING = options(Sampling)
 TEMPLATE = options(
     Template, tools={"type": click.Path(exists=True, dir_okay=False), "callback": read_tools}
 )
-SERVE = {**options(ServeSettings), **options(JobSpec, "measure_links")}
+SERVE = {**options(ServeSettings), **options(JobSpec, "measure_links", "micro_batches")}
 KV = options(KVQuant)  # a quantized KV cache
 DRAFT = options(Draft)  # speculative decoding
 DISK = options(JobSpec, "prompt_cache_disk_gb", "prompt_cache_dir")  # the disk tier

@@ -65,7 +65,7 @@ def job_spec(command: str, values: dict, **fields) -> JobSpec:
         blas=values.pop("blas"),
         **{
             name: values.pop(name)
-            for name in ("prompt_cache_gb", "measure_links")
+            for name in ("prompt_cache_gb", "measure_links", "micro_batches")
             if name in values
         },
         **fields,
@@ -183,6 +183,7 @@ def chat(**values):
     "decode_concurrency",
     "prompt_concurrency",
     "max_stall",
+    "micro_batches",
     "measure_links",
     "prompt_cache_size",
     "prompt_cache_gb",

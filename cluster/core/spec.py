@@ -535,6 +535,20 @@ class JobSpec:
     ranks_on_host: int = 1  # ranks sharing this rank's host (BLAS threads = cores / this)
     launcher_timeout: float = 30.0  # the rank ends itself when the launcher is silent this long
     backend: str = "ring"  # the hostfile's (cluster.core.backends): how the ranks join
+    micro_batches: int = param(
+        1,
+        Range(1, 64, integer=True),
+        "Pipeline mode, serve and bench: split the streams "
+        "decoding together into N micro-batches, each on its own "
+        "stream, so that stage k works on one while stage k+1 "
+        "works on another (N = the rank count keeps every stage "
+        "busy). It pays where a rank waiting in a collective costs "
+        "no compute (ranks on GPUs, Macs); on CPU ranks with no "
+        "core to spare, MLX's ring spins a core while it waits and "
+        "it costs more than it gives (docs/benchmarks.md). Measure "
+        "it with bench --concurrency.",
+        metavar="N",
+    )
     measure_links: bool = param(
         True,
         help="As the ranks start (and restart), measure each link "

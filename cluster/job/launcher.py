@@ -107,6 +107,11 @@ def preflight(hostfile: Hostfile, spec: JobSpec) -> list[str]:
         raise ModelError(BACKENDS[hostfile.backend].refused)
     if spec.split and n < 2:
         raise ModelError("--split is for 2 or more ranks")
+    if spec.micro_batches > 1 and spec.mode != "pipeline":
+        raise ModelError(
+            "--micro-batches splits a pipeline's batch so its stages work at once; tensor "
+            "mode has no stages to keep busy (use --mode pipeline, or leave it at 1)"
+        )
     path = Path(spec.model).expanduser()
     elsewhere = not path.exists() and not all(h.is_local for h in hostfile.hosts)
     if looks_like_repo(spec.model) or elsewhere:  # the hosts fetch or hold it; each checks

@@ -58,6 +58,7 @@ class BenchPlan(BenchSettings):
     draft: Draft = field(default_factory=Draft)  # when on: each of ours also with it
     kv_quant: KVQuant = field(default_factory=KVQuant)  # ours only: mlx_lm.benchmark has none
     prefill_step: int | None = None  # None: each side's default
+    micro_batches: int = 1  # ours, pipeline mode: the batch's micro-batches (JobSpec's)
     prompt_lengths: list[int] = field(default_factory=list)  # each sweep's; [] -> prompt_tokens
     concurrency: list[int] = field(default_factory=lambda: [1])  # streams decoded together
 
@@ -205,6 +206,7 @@ def run_ours(
         draft=plan.draft if config.draft else Draft(),
         kv_quant=plan.kv_quant,
         prefill_step=plan.prefill_step,
+        micro_batches=plan.micro_batches if config.mode == "pipeline" else 1,
     )
     try:
         result = run_job(hf, spec, launch, stdout=io.BytesIO(), stderr=stderr)

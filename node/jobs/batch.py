@@ -25,6 +25,13 @@ over the last steps; ``PrefillPace``) and shares it in its order, so every rank 
 While a prompt is being prefilled beside decoding answers a round is one step, so a new order
 (a cancel, a new request) is taken between any two chunks.
 
+In pipeline mode, ``--micro-batches N`` splits the batch into N BatchGenerators, each on its
+own stream, stepped in turn: each enqueues its next step before it waits for its last, so
+while one micro-batch waits for the last stage the other's layers run, and every stage works.
+Their stages' collectives go on one stream (node.model.stage.collectives_on), in the order
+every rank builds them. A request joins the micro-batch holding the fewest; uids are this
+batch's, mapped to each generator's own.
+
 In pipeline mode with nothing decoding, the prompt goes in smaller steps (node.decode.prefill's
 ``prefill_step``: the stages work on different steps at once) and a round takes as many as make
 2048 (or --prefill-step, if more) x stages tokens: about the time one rank takes for one full
@@ -50,6 +57,7 @@ from node.decode.loop import STOP_CHECK_EVERY, Ticking
 from node.decode.prefill import PREFILL_STEP, prefill_step
 from node.decode.sampling import RequestFailed, tried
 from node.jobs.diskcache import BLOCK_TOKENS, worth_reading
+from node.model.stage import collectives_on, staged
 from node.rank.dist import control_stream
 from node.rank.memory import reapply_wired_limit
 from node.rank.numbers import host_float
@@ -111,6 +119,7 @@ class Lockstep:
         max_stall: float = 0.0,
         stages: int = 1,
         disk=None,
+        micro_batches: int = 1,
     ):
         self.prompt_cache = (
             LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
@@ -118,14 +127,24 @@ class Lockstep:
         self.cache_bytes = cache_bytes  # this rank's most bytes of kept caches
         self.group = group
         self.vocab = vocab or tokenizer.vocab_size
-        self.generator = BatchGenerator(
-            Ticking(model),  # a tick per forward pass: a long batched prefill is progress
-            stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
-            completion_batch_size=decode_concurrency,
-            prefill_batch_size=prompt_concurrency,
-            prefill_step_size=prefill_step,
-            stream=generation_stream,
-        )
+        # pipeline stages through StageLayer: micro-batches each on its own stream, their
+        # collectives on one stream in the order every rank builds them
+        micro = micro_batches if stages > 1 and staged(model) else 1
+        self.comm = mx.new_stream(control_stream()) if micro > 1 else None
+        self.generators = [
+            BatchGenerator(
+                Ticking(model),  # a tick per forward pass: a long batched prefill is progress
+                stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
+                completion_batch_size=-(-decode_concurrency // micro),
+                prefill_batch_size=-(-prompt_concurrency // micro),
+                prefill_step_size=prefill_step,
+                stream=generation_stream if i == 0 else mx.new_stream(generation_stream.device),
+            )
+            for i in range(micro)
+        ]
+        self.held: list[dict[int, int]] = [{} for _ in self.generators]  # generator uid -> uid
+        self.where: dict[int, tuple[int, int]] = {}  # uid -> (micro-batch, its generator's uid)
+        self.uids = 0  # uids handed out
         reapply_wired_limit()
         self.live: set[int] = set()  # inserted and not yet finished or removed
         self.prefilling: dict[int, tuple[int, int]] = {}  # uid -> (prompt tokens done, of)
@@ -149,7 +168,7 @@ class Lockstep:
             if step == self.pace.most and self.stages > 1:  # nothing decodes: overlap stages
                 longest = max([*joining, *(total for _, total in self.prefilling.values())])
                 step = min(step, prefill_step(longest, self.stages))
-        return None if step == self.generator.prefill_step_size else step
+        return None if step == self.prefill_step_size else step
 
     def steps_this_round(self) -> int:
         """Generator steps in this round (the same on every rank: they hold the same state)."""
@@ -158,14 +177,14 @@ class Lockstep:
         if self.decoding() or self.stages == 1:
             return 1
         budget = max(self.pace.most, PREFILL_STEP) * self.stages  # about one full step's time
-        return max(1, budget // self.generator.prefill_step_size)
+        return max(1, budget // self.prefill_step_size)
 
     def apply(self, order: Order) -> list[tuple[int | None, int, str | None]]:
         """Insert ``order.insert`` and drop ``order.remove``; returns (uid, prompt tokens
         taken from the cache, None) for each new request, in order, or (None, 0, why) for one
         whose settings failed (on every rank alike)."""
         if order.prefill_step is not None:
-            self.generator.prefill_step_size = order.prefill_step
+            self.prefill_step_size = order.prefill_step
         self.from_disk = {}
         joined: list[tuple[int | None, int, str | None]] = []
         for r in order.insert:
@@ -176,7 +195,8 @@ class Lockstep:
                 continue
             scope = cache_scope(r.cache_key)
             cache, rest, from_disk = self.nearest(r.tokens, scope)
-            (uid,) = self.generator.insert(
+            m = min(range(len(self.generators)), key=lambda i: len(self.held[i]))
+            (inner,) = self.generators[m].insert(
                 [rest],
                 max_tokens=[r.sampling.max_tokens],
                 caches=[cache],
@@ -184,6 +204,10 @@ class Lockstep:
                 samplers=[chosen],
                 logits_processors=[chain],
             )
+            uid = self.uids
+            self.uids += 1
+            self.held[m][inner] = uid
+            self.where[uid] = (m, inner)
             joined.append((uid, len(r.tokens) - len(rest), None))
             self.scopes[uid] = scope
             if from_disk:
@@ -191,13 +215,30 @@ class Lockstep:
             self.prefilling[uid] = (0, len(rest))
         self.live.update(uid for uid, _, _ in joined if uid is not None)
         gone = [u for u in order.remove if u in self.live]
-        if gone:
-            self.generator.remove(gone)
-            self.live.difference_update(gone)
-            for uid in gone:
-                self.prefilling.pop(uid, None)
-                self.scopes.pop(uid, None)
+        for m, generator in enumerate(self.generators):
+            inner = [self.where[u][1] for u in gone if self.where[u][0] == m]
+            if inner:
+                generator.remove(inner)
+        for uid in gone:
+            self.forget(uid)
+            self.prefilling.pop(uid, None)
+            self.scopes.pop(uid, None)
         return joined
+
+    def forget(self, uid: int) -> None:
+        """``uid`` is no longer in any micro-batch."""
+        self.live.discard(uid)
+        m, inner = self.where.pop(uid)
+        del self.held[m][inner]
+
+    @property
+    def prefill_step_size(self) -> int:
+        return self.generators[0].prefill_step_size
+
+    @prefill_step_size.setter
+    def prefill_step_size(self, step: int) -> None:
+        for generator in self.generators:
+            generator.prefill_step_size = step
 
     def nearest(self, tokens: list[int], scope: str = MODEL_KEY) -> tuple:
         """The cache of the longest cached prefix of ``tokens`` (in memory, else on disk),
@@ -255,27 +296,45 @@ class Lockstep:
         """Step the generator ``steps_this_round`` times (fewer once nothing is left);
         ``on_token`` (rank 0) gets every generated token's response. Ends with no step in
         flight, so the next collective on another stream cannot interleave with the
-        generator's."""
-        for _ in range(self.steps_this_round()):
-            if not self.live:
-                break
-            with self.generator.stats() as work:
-                prompts, responses = self.generator.next()
-            self.pace.measured(work.prompt_tokens, work.prompt_time)
-            for p in prompts:
-                if p.end_of_prompt:
-                    self.prefilling.pop(p.uid, None)
-                elif p.uid in self.prefilling:
-                    self.prefilling[p.uid] = p.progress
-            for r in responses:
-                if r.finish_reason is not None:
-                    self.live.discard(r.uid)
-                    self.keep(r)
-                if on_token is not None:
-                    on_token(r)
-        mx.synchronize(generation_stream)
+        generator's.
+
+        With micro-batches, a step steps each in turn: each generator enqueues its next
+        step before it waits for its last, so while one micro-batch waits for the last stage
+        (its share of the final hidden state) the other's layers run on its own stream, and
+        every stage is busy."""
+        with collectives_on(self.comm):
+            for _ in range(self.steps_this_round()):
+                if not self.live:
+                    break
+                for m, generator in enumerate(self.generators):
+                    if self.held[m]:
+                        self.step(m, generator, on_token)
+        for generator in self.generators:
+            mx.synchronize(generator.stream)
+        if self.comm is not None:
+            mx.synchronize(self.comm)
         if self.kept:
             self.fit_bytes()
 
+    def step(self, m: int, generator: BatchGenerator, on_token: Callable | None) -> None:
+        """One step of micro-batch ``m``; its responses carry this batch's uids."""
+        with generator.stats() as work:
+            prompts, responses = generator.next()
+        self.pace.measured(work.prompt_tokens, work.prompt_time)
+        for p in prompts:
+            uid = self.held[m][p.uid]
+            if p.end_of_prompt:
+                self.prefilling.pop(uid, None)
+            elif uid in self.prefilling:
+                self.prefilling[uid] = p.progress
+        for r in responses:
+            r.uid = self.held[m][r.uid]
+            if r.finish_reason is not None:
+                self.forget(r.uid)
+                self.keep(r)
+            if on_token is not None:
+                on_token(r)
+
     def close(self) -> None:
-        self.generator.close()
+        for generator in reversed(self.generators):  # each puts back the wired limit it found
+            generator.close()

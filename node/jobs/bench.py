@@ -136,7 +136,8 @@ def batch_run(job: Job, prompts: list[list[int]], gen_tokens: int,
     streams = len(prompts)
     batch = Lockstep(loaded.model, loaded.tokenizer, streams, streams, 0, group=job.group,
                      prefill_step=spec.prefill_step or 2048,
-                     stages=spec.world_size if spec.mode == "pipeline" else 1)  # fmt: skip
+                     stages=spec.world_size if spec.mode == "pipeline" else 1,
+                     micro_batches=spec.micro_batches)  # fmt: skip
     tokens: dict[int, list[int]] = {}
     firsts: dict[int, float] = {}
     last = 0.0

@@ -623,6 +623,7 @@ def run_serve(job: Job) -> None:
             options.max_stall,  # rank 0's pace decides; the others follow its orders
             spec.world_size if spec.mode == "pipeline" else 1,
             disk,
+            spec.micro_batches,
         )
         if batched
         else None

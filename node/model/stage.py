@@ -11,6 +11,8 @@ rank 0 holds the last layers, rank N-1 the first.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -18,6 +20,29 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from cluster.core.shards import pipeline_range
+
+_collective_stream: list[Any] = [None]  # where the stages' collectives run (None: inline)
+
+
+@contextmanager
+def collectives_on(stream) -> Iterator[None]:
+    """Every stage's send, receive and share while the block runs goes on ``stream`` (None:
+    the stream of the work around it). Micro-batches decoded on streams of their own
+    (node.jobs.batch) put their collectives on one stream, so that each rank makes them in
+    the order its Python built them, which is the same on every rank: two collectives at once
+    over the same sockets would interleave their bytes."""
+    _collective_stream[0] = stream
+    try:
+        yield
+    finally:
+        _collective_stream[0] = None
+
+
+def staged(model: nn.Module) -> bool:
+    """Whether this model's pipeline runs through StageLayer (whose collectives
+    ``collectives_on`` can move), rather than a family's own ``pipeline()``."""
+    inner = getattr(getattr(model, "language_model", model), "model", None)
+    return any(isinstance(layer, StageLayer) for layer in getattr(inner, "layers", None) or ())
 
 
 class PassThrough(nn.Module):
@@ -54,16 +79,17 @@ class StageLayer(nn.Module):
             return getattr(layer, name)
 
     def __call__(self, x, *args, **kwargs):
+        on = {"stream": _collective_stream[0]} if _collective_stream[0] is not None else {}
         if self.recv_from is not None:
-            x = mx.distributed.recv_like(x, self.recv_from, group=self.group)
+            x = mx.distributed.recv_like(x, self.recv_from, group=self.group, **on)
         h = self.layer(x, *args, **kwargs)
         if self.send_to is not None:
-            h = mx.distributed.send(h, self.send_to, group=self.group)
+            h = mx.distributed.send(h, self.send_to, group=self.group, **on)
             cache = _find_cache(args, kwargs)
             if cache is not None:
                 _depend(cache, h)
         if self.share:
-            h = mx.distributed.all_gather(h, group=self.group)[: h.shape[0]]
+            h = mx.distributed.all_gather(h, group=self.group, **on)[: h.shape[0]]
         return h
 
 

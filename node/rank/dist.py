@@ -22,12 +22,14 @@ def init_group(world_size: int, backend: str) -> mx.distributed.Group:
     """The job's group over ``backend`` (a name in cluster.core.backends); a 1-rank job gets
     MLX's singleton group without any backend."""
     global _joined
-    _joined = BACKENDS[backend]
+    wanted = BACKENDS[backend]
     if world_size == 1:
+        _joined = wanted
         return mx.distributed.init()
-    if not mx.distributed.is_available(backend=_joined.mlx):
-        raise SetupError(_joined.missing or f"MLX on this host has no {backend} backend")
-    group = mx.distributed.init(backend=_joined.mlx, strict=True)
+    if not mx.distributed.is_available(backend=wanted.mlx):  # not joined: nothing changes
+        raise SetupError(wanted.missing or f"MLX on this host has no {backend} backend")
+    group = mx.distributed.init(backend=wanted.mlx, strict=True)
+    _joined = wanted
     if group.size() != world_size:
         raise RuntimeError(
             f"joined a group of {group.size()} ranks but the job has {world_size}; "

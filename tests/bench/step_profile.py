@@ -200,7 +200,7 @@ def profile(loaded, group, mode: str, streams: int, steps: int) -> dict:
         batch.round(None)
     step = (time.perf_counter() - tic) / (rounds * ROUND_STEPS)
 
-    cache = batch.generator._generation_batch.prompt_cache  # mlx-lm's: the batch's caches
+    cache = batch.generators[0]._generation_batch.prompt_cache  # mlx-lm's caches
     tokens = mx.zeros((streams, 1), dtype=mx.uint32)
 
     def forward():

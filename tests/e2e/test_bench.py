@@ -414,3 +414,20 @@ def test_concurrent_streams_decode_each_prompts_lone_answer(models, tmp_path):
         four[1]["generation_tps"]["median"] / four[0]["generation_tps"]["median"]
     )
     assert "| ranks | streams | first token s |" in p.stdout.splitlines()[0]
+
+
+def test_pipeline_micro_batches_decode_each_prompts_lone_answer(models, tmp_path):
+    """--micro-batches 2 in pipeline mode: four prompts decoded together in two micro-batches,
+    each stream the tokens single-process mlx-lm decodes for that prompt alone; the setting
+    is in the JSON."""
+    out = tmp_path / "m.json"
+    p = run_cli("bench", "--model", models["endless"], "--ranks", "2", "--modes", "pipeline",
+                "--micro-batches", 2, "--concurrency", 4, "--baselines", "none",
+                "--prompt-tokens", 16, "--gen-tokens", GEN_TOKENS, "--repeat", 1,
+                "--warmup", 0, "--json", out, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    result = json.loads(out.read_text())
+    assert result["settings"]["micro_batches"] == 2
+    (row,) = result["results"]
+    assert row["status"] == "ok" and row["runs"][0]["generated"] == 4 * GEN_TOKENS
+    assert row["tokens_sha"] == reference_batch_sha(models["endless"], 16, GEN_TOKENS, 4)

@@ -398,12 +398,14 @@ def test_seeded_requests_repeat(server):
 @pytest.mark.parametrize("mode,ranks", [("pipeline", 3), ("tensor", 2)])
 def test_batch_on_three_ranks_equals_lone_answers(tmp_path, mode, ranks):
     """llama goes through our pipeline stages (3 ranks: a middle stage too; skipped cache
-    slots in a batch), tensor mode through node/model/tensor.py's shards (uneven head splits are the
+    slots in a batch; the batch in 3 micro-batches, one per stage, their collectives on one
+    stream), tensor mode through node/model/tensor.py's shards (uneven head splits are the
     matrix's, at 3 ranks); requests of different lengths join one batch."""
     from tests.support.tiny import make_model
 
     model = make_model(tmp_path / "m", "llama", seed=1)
-    served = Served(model, "-n", str(ranks), "--mode", mode)
+    micro = ["--micro-batches", "3"] if mode == "pipeline" else []
+    served = Served(model, "-n", str(ranks), "--mode", mode, *micro)
     try:
         assert "batched" in "".join(served.log)
         prompts = [PROMPT, "hi", "a much longer prompt than the others, to pad the batch"]

@@ -103,7 +103,7 @@ def test_a_long_prompt_is_prefilled_in_steps_between_the_running_answers_tokens(
         assert [r.uid for r in got] == [0], got  # one step: the running answer's token
         if uid in batch.prefilling:
             now = batch.prefilling[uid][0]
-            assert 0 < now - done <= batch.generator.prefill_step_size, (done, now)
+            assert 0 < now - done <= batch.prefill_step_size, (done, now)
             done = now
         if (step := batch.next_prefill_step()) is not None:  # the pace, once measured
             batch.apply(Order(prefill_step=step))
@@ -276,3 +276,49 @@ def test_a_model_that_cannot_batch_idles_then_answers_alone(tmp_path, monkeypatc
     pieces: list[str] = []
     generate(loaded.model, loaded.tokenizer, shared, pieces.append)
     assert text and text == "".join(pieces)
+
+
+def test_micro_batches_hand_out_their_own_uids_and_each_stream_its_lone_answer(
+    tmp_path, monkeypatch
+):
+    """node.batch.Lockstep split into micro-batches (each a BatchGenerator on its own
+    stream; forced here on one rank, where a pipeline has no stages): requests go to the
+    emptier micro-batch, every response carries the batch's uid, a removed request leaves its
+    micro-batch, and every stream's tokens are what it decodes alone."""
+    from mlx_lm import load
+
+    import node.jobs.batch as batch_module
+    from node.decode.sampling import seeded
+    from node.jobs.batch import Lockstep
+    from tests.support.tiny import make_model
+
+    model, tokenizer = load(str(make_model(tmp_path / "m", "llama", seed=1, eos_token_id=9999)))
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18], [19, 20, 21]]
+
+    def decode(micro: int, remove: int | None = None) -> dict[int, list[int]]:
+        batch = Lockstep(model, tokenizer, 8, 8, 0, stages=2, micro_batches=micro)
+        assert len(batch.generators) == micro
+        requests = [SharedRequest(seeded(Sampling(max_tokens=6, seed=1)), p) for p in prompts]
+        joined = batch.apply(Order(insert=requests))
+        assert [uid for uid, _, _ in joined] == list(range(len(prompts)))
+        assert [len(held) for held in batch.held] == ([3, 2] if micro == 2 else [5])
+        tokens: dict[int, list[int]] = {}
+        if remove is not None:
+            while remove not in tokens:  # it decodes, then it is cancelled
+                batch.round(lambda r: tokens.setdefault(r.uid, []).append(r.token))
+            batch.apply(Order(remove=[remove]))
+            assert remove not in batch.live and remove not in batch.where
+        while batch.live:
+            batch.round(lambda r: tokens.setdefault(r.uid, []).append(r.token))
+        assert batch.where == {} and all(not held for held in batch.held)
+        batch.close()
+        return tokens
+
+    monkeypatch.setattr(batch_module, "staged", lambda model: True)
+    alone = decode(1)
+    assert len(alone) == len(prompts) and len(alone[1]) == 6
+    assert decode(2) == alone
+    cut = decode(2, remove=1)
+    assert len(cut[1]) < 6 and {u: t for u, t in cut.items() if u != 1} == {
+        u: t for u, t in alone.items() if u != 1
+    }

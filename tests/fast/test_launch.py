@@ -138,3 +138,13 @@ def test_kv_bits_refusals(models):
     p = run_cli("serve", "--model", models["llama"], "--kv-bits", 8)
     assert p.returncode == 2
     assert "serve decodes its requests as one batch" in p.stderr and "chat" in p.stderr
+
+
+def test_micro_batches_are_for_pipeline_mode(models):
+    """--micro-batches splits a pipeline's batch: with tensor mode, refused before any rank
+    starts; launch and chat decode one stream and do not take it."""
+    p = run_cli("serve", "--mode", "tensor", "--micro-batches", 2, "--model", models["qwen2"])
+    assert p.returncode == 2
+    assert "tensor mode has no stages to keep busy" in p.stderr and "starting" not in p.stderr
+    p = invoke("launch", "--micro-batches", 2, "--model", models["llama"], PROMPT)
+    assert p.returncode == 2 and "No such option" in p.stderr
