@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -205,3 +207,19 @@ def test_a_resting_rank_takes_one_wake_per_rest_and_ends_with_the_channel(monkey
     os.close(w)
     with pytest.raises(EOFError, match="closed while this rank rested"):
         watchdog.wait_for_wake()
+
+
+def test_a_rank_ends_without_teardown_but_with_its_output_and_exit_handlers():
+    """node.__main__.exit_now: the exit code, buffered output (no newline, not flushed) and
+    what atexit was given to run all survive ending without the interpreter's teardown."""
+    code = (
+        "import atexit, sys\n"
+        "from node.__main__ import exit_now\n"
+        "atexit.register(lambda: sys.stderr.write('handler ran'))\n"
+        "sys.stdout.write('the answer')\n"
+        "exit_now(3)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3
+    assert p.stdout == "the answer"
+    assert p.stderr.endswith("handler ran")
