@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import NoReturn
 
-from cluster.core.blas import blas_env
+from cluster.core.blas import blas_env_here
 from cluster.core.modelcheck import ModelError, SetupError, check_kv_quant, check_request
 from cluster.core.protocol import (
     Error,
@@ -171,8 +171,7 @@ JOBS = {"serve": serve, "chat": chat, "bench": bench, "generate": oneshot, "logi
 def reexec_with_blas(spec: JobSpec, argv: list[str]) -> None:
     """On Linux, start this rank again with the host's OpenBLAS preloaded (cluster.core.blas); the
     process keeps its PID, pipes and arguments. Returns when nothing changes."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    extra = blas_env(spec.blas, spec.ranks_on_host, dict(os.environ), sys.platform, cores)
+    extra = blas_env_here(spec.blas, spec.ranks_on_host, dict(os.environ))
     if extra is None:
         return
     sys.stdout.flush()

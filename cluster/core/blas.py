@@ -1,16 +1,17 @@
 """An optimized BLAS for Linux ranks.
 
 The ``mlx[cpu]`` wheel bundles the reference (netlib) BLAS; libmlx resolves ``cblas_sgemm``
-dynamically, so preloading the host's OpenBLAS makes its matmuls about 25x faster. Each rank
-decides on its own host (``node.__main__`` re-executes itself with the environment below), and
-doctor's probe looks for the library with the same list. OpenBLAS gets the host's cores shared
-by the ranks on it: with its default (every core per rank) two ranks on one host run slower
-than with one thread each.
+dynamically, so preloading the host's OpenBLAS makes its matmuls about 25x faster. A rank on
+the launcher's machine gets the environment below from the launcher; a remote rank decides on
+its own host (``node.__main__`` re-executes itself with it), and doctor's probe looks for the
+library with the same list. OpenBLAS gets the host's cores shared by the ranks on it: with its
+default (every core per rank) two ranks on one host run slower than with one thread each.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 # Debian/Ubuntu's libopenblas0-pthread (then -openmp, -serial), Fedora's openblas-threads
 OPENBLAS_PATHS = (
@@ -46,3 +47,10 @@ def blas_env(
         "OPENBLAS_NUM_THREADS": env.get("OPENBLAS_NUM_THREADS", str(threads)),
         MARK: library,
     }
+
+
+def blas_env_here(mode: str, ranks_on_host: int, env: dict[str, str]) -> dict[str, str] | None:
+    """``blas_env`` for a rank on the machine this runs on: its platform, and the cores this
+    process may use (its CPU affinity where the OS has one)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return blas_env(mode, ranks_on_host, env, sys.platform, cores)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from cluster.core.backends import BACKENDS
-from cluster.core.blas import blas_env
+from cluster.core.blas import blas_env_here
 from cluster.core.hostfile import Host, Hostfile, rank_model_path, split_weights
 from cluster.core.modelcheck import (
     ModelError,
@@ -187,8 +187,7 @@ def local_blas(host: Host, mode: str, ranks_on_host: int, extra_env: dict[str, s
     once instead of starting again with OpenBLAS preloaded; a remote rank decides on its host."""
     if not host.is_local:
         return {}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return blas_env(mode, ranks_on_host, {**os.environ, **extra_env}, sys.platform, cores) or {}
+    return blas_env_here(mode, ranks_on_host, {**os.environ, **extra_env}) or {}
 
 
 def log(stderr: IO[str], message: str) -> None:

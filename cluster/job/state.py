@@ -171,16 +171,20 @@ def shared_gpu(job: JobState, rank: int) -> list[Say]:
     """Once every rank of ``rank``'s host said its GPU: a warning for each GPU that several
     of them would use (cluster.core.gpus)."""
     host = job.ranks[rank].host
-    here = [r for r in job.ranks if r.host == host]
-    if any(r.gpu is None for r in here):
+    here = [(r.rank, r.gpu) for r in job.ranks if r.host == host]
+    if any(gpu is None for _, gpu in here):
         return []
+    by_gpu: dict[int, list[tuple[int, Gpu]]] = {}
+    for r, gpu in here:
+        if gpu is not None:
+            by_gpu.setdefault(gpu.index, []).append((r, gpu))
     said = []
-    for index in sorted({r.gpu.index for r in here if r.gpu is not None}):
-        same = [r for r in here if r.gpu is not None and r.gpu.index == index]
-        if len(same) > 1 and same[0].gpu is not None:
-            gpu = same[0].gpu
-            what = f"GPU {gpu.index} ({gpu.name}, {gpu.memory_gb:.0f} GB)"
-            said.append(Say(shared_gpu_warning([r.rank for r in same], what, host, gpu.mlx_cuda)))
+    for index, sharing in sorted(by_gpu.items()):
+        if len(sharing) > 1:
+            gpu = sharing[0][1]
+            what = f"GPU {index} ({gpu.name}, {gpu.memory_gb:.0f} GB)"
+            ranks = [r for r, _ in sharing]
+            said.append(Say(shared_gpu_warning(ranks, what, host, gpu.mlx_cuda)))
     return said
 
 

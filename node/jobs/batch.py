@@ -41,7 +41,7 @@ pipeline.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, KeysView, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
@@ -65,6 +65,37 @@ from node.rank.numbers import host_float
 ROUND_STEPS = STOP_CHECK_EVERY  # generator steps between two orders of rank 0
 MODEL_KEY = "served"  # one model per server: every cache entry is under this key
 PREFILL_MIN = 32  # the smallest prefill step while answers decode: below it a step is overhead
+
+
+def micro_batches_for(model, stages: int, asked: int) -> int:
+    """The micro-batches a batch runs in: as asked (--micro-batches) in a pipeline whose stages
+    are ours (StageLayer, whose collectives can go on one stream), else 1."""
+    return asked if stages > 1 and staged(model) else 1
+
+
+def micro_batches_note(model, stages: int, asked: int) -> str | None:
+    """What rank 0 tells the user of --micro-batches: that it applies, or why not."""
+    if asked == 1:
+        return None
+    if micro_batches_for(model, stages, asked) > 1:
+        return f"the batch decodes in {asked} micro-batches (--micro-batches), a stage on each"
+    why = "one rank has no stages" if stages == 1 else "this family's pipeline is mlx-lm's own"
+    return f"--micro-batches {asked} does not apply ({why}): the batch decodes as one"
+
+
+_streams: list = []  # the micro-batches' streams, made once per process (each has a thread)
+
+
+def micro_streams(micro: int) -> list:
+    """The streams of ``micro`` micro-batches: mlx-lm's generation stream and ``micro - 1``
+    more on its device, then (with more than one) the stream of their collectives. Made once
+    and reused by every batch (bench makes one per run)."""
+    if micro == 1:
+        return [generation_stream]
+    while len(_streams) < micro:  # [collectives, micro-batch 1, micro-batch 2, ...]
+        device = control_stream() if not _streams else generation_stream.device
+        _streams.append(mx.new_stream(device))
+    return [generation_stream, *_streams[1:micro], _streams[0]]
 
 
 class PrefillPace:
@@ -129,8 +160,9 @@ class Lockstep:
         self.vocab = vocab or tokenizer.vocab_size
         # pipeline stages through StageLayer: micro-batches each on its own stream, their
         # collectives on one stream in the order every rank builds them
-        micro = micro_batches if stages > 1 and staged(model) else 1
-        self.comm = mx.new_stream(control_stream()) if micro > 1 else None
+        micro = micro_batches_for(model, stages, micro_batches)
+        streams = micro_streams(micro)
+        self.comm = streams[-1] if micro > 1 else None
         self.generators = [
             BatchGenerator(
                 Ticking(model),  # a tick per forward pass: a long batched prefill is progress
@@ -138,15 +170,16 @@ class Lockstep:
                 completion_batch_size=-(-decode_concurrency // micro),
                 prefill_batch_size=-(-prompt_concurrency // micro),
                 prefill_step_size=prefill_step,
-                stream=generation_stream if i == 0 else mx.new_stream(generation_stream.device),
+                stream=streams[i],
             )
             for i in range(micro)
         ]
         self.held: list[dict[int, int]] = [{} for _ in self.generators]  # generator uid -> uid
-        self.where: dict[int, tuple[int, int]] = {}  # uid -> (micro-batch, its generator's uid)
+        # uid -> (micro-batch, its generator's uid): every request inserted and not yet
+        # finished or removed
+        self.where: dict[int, tuple[int, int]] = {}
         self.uids = 0  # uids handed out
         reapply_wired_limit()
-        self.live: set[int] = set()  # inserted and not yet finished or removed
         self.prefilling: dict[int, tuple[int, int]] = {}  # uid -> (prompt tokens done, of)
         self.pace = PrefillPace(prefill_step, max_stall)  # rank 0's
         self.stages = stages  # pipeline stages (1 in tensor mode)
@@ -155,6 +188,11 @@ class Lockstep:
         self.from_disk: dict[int, int] = {}  # the last apply's: uid -> prompt tokens from disk
         self.scopes: dict[int, str] = {}  # uid -> its prompt cache scope (prompt_cache_key)
         self.kept = 0  # answers' caches kept since the bytes were last checked
+
+    @property
+    def live(self) -> KeysView[int]:
+        """The uids inserted and not yet finished or removed."""
+        return self.where.keys()
 
     def decoding(self) -> bool:
         return len(self.live) > len(self.prefilling)
@@ -213,7 +251,6 @@ class Lockstep:
             if from_disk:
                 self.from_disk[uid] = from_disk
             self.prefilling[uid] = (0, len(rest))
-        self.live.update(uid for uid, _, _ in joined if uid is not None)
         gone = [u for u in order.remove if u in self.live]
         for m, generator in enumerate(self.generators):
             inner = [self.where[u][1] for u in gone if self.where[u][0] == m]
@@ -227,7 +264,6 @@ class Lockstep:
 
     def forget(self, uid: int) -> None:
         """``uid`` is no longer in any micro-batch."""
-        self.live.discard(uid)
         m, inner = self.where.pop(uid)
         del self.held[m][inner]
 

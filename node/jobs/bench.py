@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from cluster.core.protocol import BenchComm, BenchRun, FirstToken, Phase
+from cluster.core.protocol import BenchComm, BenchRun, FirstToken, Notice, Phase
 from cluster.core.spec import Order, Sampling, SharedRequest
 from node.decode.loop import draft_counts, stream, token_stream
 from node.decode.sampling import seeded
@@ -130,12 +130,13 @@ def batch_run(job: Job, prompts: list[list[int]], gen_tokens: int,
     concurrent requests (node.jobs.batch.Lockstep: mlx-lm's BatchGenerator on every rank
     in lockstep); its figures (the prompts' prefill until every stream has its first token,
     then the aggregate decode rate) and a digest of every stream's tokens."""
+    from node.decode.prefill import PREFILL_STEP
     from node.jobs.batch import Lockstep
 
     spec, loaded = job.spec, job.loaded
     streams = len(prompts)
     batch = Lockstep(loaded.model, loaded.tokenizer, streams, streams, 0, group=job.group,
-                     prefill_step=spec.prefill_step or 2048,
+                     prefill_step=spec.prefill_step or PREFILL_STEP,
                      stages=spec.world_size if spec.mode == "pipeline" else 1,
                      micro_batches=spec.micro_batches)  # fmt: skip
     tokens: dict[int, list[int]] = {}
@@ -199,6 +200,12 @@ def run_bench(job: Job) -> None:
     prompt = synthetic_prompt(vocab, b.prompt_tokens)
     request = SharedRequest(seeded(Sampling(max_tokens=b.gen_tokens, seed=0)), prompt)
     prompts = synthetic_prompts(vocab, b.prompt_tokens, b.streams) if b.streams > 1 else None
+    if prompts and rank == 0:
+        from node.jobs.batch import micro_batches_note
+
+        stages = job.spec.world_size if job.spec.mode == "pipeline" else 1
+        if (note := micro_batches_note(model, stages, job.spec.micro_batches)) is not None:
+            emit(Notice(note))
     for i in range(b.warmup + b.repeat):
         first = (lambda: emit(FirstToken())) if i == 0 and rank == 0 else None
         if prompts:

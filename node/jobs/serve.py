@@ -36,6 +36,7 @@ from cluster.core.protocol import (
     END_OF_INPUT,
     Counted,
     Memory,
+    Notice,
     Prefill,
     Refused,
     Serving,
@@ -584,7 +585,7 @@ def run_serve(job: Job) -> None:
     import mlx.core as mx
 
     from node.decode.prefill import PREFILL_STEP
-    from node.jobs.batch import Lockstep, batchable
+    from node.jobs.batch import Lockstep, batchable, micro_batches_note
     from node.rank.memory import memory_left
     from node.rank.share import share_order, share_typed
     from node.rank.watchdog import can_rest, launcher_input, wait_for_wake
@@ -602,6 +603,7 @@ def run_serve(job: Job) -> None:
         raise RuntimeError("rank 0 shared no serve setup")
     mx.random.seed(agreed.seed)
     batched = batchable(loaded.model)
+    stages = spec.world_size if spec.mode == "pipeline" else 1
     vocab = Admission.of(loaded.config, options).vocab or loaded.tokenizer.vocab_size
     cache_bytes, live_bytes = cache_budget(agreed.cache_gb, memory_left(spec.ranks_on_host))
     room = kv_room(loaded, spec, live_bytes, group)
@@ -621,13 +623,16 @@ def run_serve(job: Job) -> None:
             vocab,
             agreed.prefill_step,
             options.max_stall,  # rank 0's pace decides; the others follow its orders
-            spec.world_size if spec.mode == "pipeline" else 1,
+            stages,
             disk,
             spec.micro_batches,
         )
         if batched
         else None
     )
+    note = micro_batches_note(loaded.model, stages, spec.micro_batches) if batched else None
+    if note is not None and rank0:
+        emit(Notice(note))
     scheduler = None  # rank 0's; rank 0 alone decides what every rank does
     if rank0:
         admission = Admission.of(loaded.config, options)

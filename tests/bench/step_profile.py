@@ -35,7 +35,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from cluster.core.blas import blas_env
+from cluster.core.blas import blas_env_here
 
 COLLECTIVES = ("all_sum", "all_gather", "send", "recv", "recv_like")
 PROMPT_TOKENS = 64
@@ -59,7 +59,7 @@ def run_config(model: str, mode: str, ranks: int, streams: list[int], steps: int
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
         if ranks > 1:
             env["MLX_HOSTFILE"] = str(hostfile)
-        env.update(blas_env("auto", ranks, env, sys.platform, os.cpu_count()) or {})  # as ours
+        env.update(blas_env_here("auto", ranks, env) or {})  # as the launcher gives ours
         outs = [Path(tmp) / f"rank{r}.json" for r in range(ranks)]
         argv = [sys.executable, "-m", "tests.bench.step_profile", "--worker", "--model", model,
                 "--mode", mode, "--ranks", str(ranks), "--streams",

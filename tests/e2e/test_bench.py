@@ -426,6 +426,7 @@ def test_pipeline_micro_batches_decode_each_prompts_lone_answer(models, tmp_path
                 "--prompt-tokens", 16, "--gen-tokens", GEN_TOKENS, "--repeat", 1,
                 "--warmup", 0, "--json", out, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr
+    assert "the batch decodes in 2 micro-batches" in p.stderr  # applied, not one batch
     result = json.loads(out.read_text())
     assert result["settings"]["micro_batches"] == 2
     (row,) = result["results"]

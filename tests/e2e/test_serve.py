@@ -408,6 +408,8 @@ def test_batch_on_three_ranks_equals_lone_answers(tmp_path, mode, ranks):
     served = Served(model, "-n", str(ranks), "--mode", mode, *micro)
     try:
         assert "batched" in "".join(served.log)
+        if micro:  # it applies (our stages), not silently one batch
+            assert "the batch decodes in 3 micro-batches" in "".join(served.log)
         prompts = [PROMPT, "hi", "a much longer prompt than the others, to pad the batch"]
         expected = [reference(model, p, 20) for p in prompts]
 

@@ -295,9 +295,12 @@ def test_micro_batches_hand_out_their_own_uids_and_each_stream_its_lone_answer(
     model, tokenizer = load(str(make_model(tmp_path / "m", "llama", seed=1, eos_token_id=9999)))
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18], [19, 20, 21]]
 
+    streams: list = []
+
     def decode(micro: int, remove: int | None = None) -> dict[int, list[int]]:
         batch = Lockstep(model, tokenizer, 8, 8, 0, stages=2, micro_batches=micro)
         assert len(batch.generators) == micro
+        streams.append([g.stream for g in batch.generators])
         requests = [SharedRequest(seeded(Sampling(max_tokens=6, seed=1)), p) for p in prompts]
         joined = batch.apply(Order(insert=requests))
         assert [uid for uid, _, _ in joined] == list(range(len(prompts)))
@@ -319,6 +322,38 @@ def test_micro_batches_hand_out_their_own_uids_and_each_stream_its_lone_answer(
     assert len(alone) == len(prompts) and len(alone[1]) == 6
     assert decode(2) == alone
     cut = decode(2, remove=1)
+    assert streams[1] == streams[2]  # a batch's streams are made once, not one set per batch
     assert len(cut[1]) < 6 and {u: t for u, t in cut.items() if u != 1} == {
         u: t for u, t in alone.items() if u != 1
     }
+
+
+def test_micro_batches_apply_to_our_stages_only(tmp_path):
+    """--micro-batches needs a pipeline through StageLayer (its collectives go on one stream);
+    rank 0 says whether it applies, and why not."""
+    from mlx_lm import load
+
+    from node.jobs.batch import micro_batches_for, micro_batches_note
+    from node.model.stage import apply_stages, staged
+    from tests.support.tiny import make_model
+
+    class Group:  # what apply_stages reads of a group of 2, as rank 0
+        def rank(self) -> int:
+            return 0
+
+        def size(self) -> int:
+            return 2
+
+    model, _ = load(str(make_model(tmp_path / "m", "llama", seed=1)))
+    assert not staged(model) and micro_batches_for(model, 2, 2) == 1
+    assert micro_batches_note(model, 2, 2) == (
+        "--micro-batches 2 does not apply (this family's pipeline is mlx-lm's own): the batch "
+        "decodes as one"
+    )
+    apply_stages(model, Group())
+    assert staged(model) and micro_batches_for(model, 2, 2) == 2
+    assert micro_batches_note(model, 2, 2).startswith("the batch decodes in 2 micro-batches")
+    assert micro_batches_for(model, 1, 2) == 1 and "one rank has no stages" in (
+        micro_batches_note(model, 1, 2) or ""
+    )
+    assert micro_batches_note(model, 2, 1) is None
