@@ -19,6 +19,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
@@ -123,6 +124,22 @@ def steps(
     return commands
 
 
+def run_steps(run: Callable[[str], tuple[int, str, str]], commands: list[str]
+              ) -> tuple[str, str] | None:  # fmt: skip
+    """Run each install command in turn through ``run``; the first that fails and its stderr,
+    or None. A pip command that fails is run once more, fetching afresh (``--no-cache-dir``):
+    a download cut short reaches pip as a file whose hash does not match, and a dropped
+    connection as an error, and either is gone the second time."""
+    for command in commands:
+        status, _, err = run(command)
+        if status != 0 and " -m pip " in command:
+            command = f"{command} --no-cache-dir"
+            status, _, err = run(command)
+        if status != 0:
+            return command, err
+    return None
+
+
 def wants_cuda(hostfile: Hostfile, host: Host) -> bool:
     """The hostfile puts ranks on the host's GPUs (gpus, or a GPU backend: nccl)."""
     return host.gpus is not None or BACKENDS[hostfile.backend].gpus
@@ -164,10 +181,10 @@ def install_host(
                 and shell.run("nvidia-smi -L")[0] == 0
             )  # fmt: skip
             commands = steps(python, where, base, system_site, make_venv, port, result.cuda)
-            for command in commands:
-                status, _, err = shell.run(command, timeout=1800)
-                if status != 0:
-                    raise InstallError(f"`{command}` failed: {tail(err)}{_refusals(result)}")
+            failed = run_steps(lambda command: shell.run(command, timeout=1800), commands)
+            if failed is not None:
+                command, err = failed
+                raise InstallError(f"`{command}` failed: {tail(err)}{_refusals(result)}")
         result.action = "created venv, installed" if make_venv else "installed"
         if result.cuda:
             result.action += " with MLX's CUDA build"

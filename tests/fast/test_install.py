@@ -20,3 +20,37 @@ def test_a_gpu_host_gets_mlxs_cuda_build_installed_last():
     assert [wants_cuda(hf, h) for h in hf.hosts] == [False, True]
     nccl = parse_hostfile({"backend": "nccl", "hosts": [{"ssh": "box", "ips": ["10.0.0.1"]}]})
     assert wants_cuda(nccl, nccl.hosts[0])
+
+
+def test_a_pip_step_that_fails_runs_once_more_without_pip_s_cache():
+    """A download cut short reaches pip as a hash mismatch (seen once in CI through
+    --index-via-here): install runs that pip command again, fetching afresh, and goes on; a
+    step that fails twice, or a step that is not pip, stops the install and is named."""
+    from cluster.rig.install import run_steps
+
+    ran: list[str] = []
+
+    def run(failures: dict[str, int]):
+        def one(command: str) -> tuple[int, str, str]:
+            ran.append(command)
+            left = failures.get(command.removesuffix(" --no-cache-dir"), 0)
+            failures[command.removesuffix(" --no-cache-dir")] = left - 1
+            return (1, "", "THESE PACKAGES DO NOT MATCH THE HASHES") if left > 0 else (0, "", "")
+
+        return one
+
+    venv, pip = "python3 -m venv /v", "/v/bin/python -m pip install -q w.whl"
+    assert run_steps(run({pip: 1}), [venv, pip, pip + " x"]) is None
+    assert ran == [venv, pip, pip + " --no-cache-dir", pip + " x"]
+    ran.clear()
+    assert run_steps(run({pip: 2}), [pip, venv]) == (
+        pip + " --no-cache-dir",
+        "THESE PACKAGES DO NOT MATCH THE HASHES",
+    )
+    assert ran == [pip, pip + " --no-cache-dir"]  # stops there
+    ran.clear()
+    assert run_steps(run({venv: 1}), [venv, pip]) == (
+        venv,
+        "THESE PACKAGES DO NOT MATCH THE HASHES",
+    )
+    assert ran == [venv]  # not pip: not run again
