@@ -15,7 +15,16 @@ BatchGenerator in lockstep), and once every stream decodes it times, per step:
 - sampling: normalising the logits and the greedy choice, as the generator does them;
 - order: one round's order shared from rank 0 (serve shares one every ``ROUND_STEPS`` steps),
   counted per step;
-- rest: step - forward - sampling (the generator's and our Python between the array work).
+- rest: step - forward - sampling (the generator's and our Python between the array work);
+- main thread CPU: the CPU time of the rank's Python thread per step (our and mlx-lm's Python,
+  and MLX building and dispatching every operation of the step's graph to the thread that
+  computes it); a rank alone runs it on the core its computation leaves free, two ranks on
+  two cores run it on the cores they compute on;
+- ops: the MLX operations in one forward pass of this rank (each dispatched and run on its own;
+  on a CPU, RoPE, RMSNorm and attention are made of basic operations, on a GPU each is one
+  kernel);
+- rank CPU: the CPU time of all the rank's threads per step (computation, dispatch, and the
+  ring's threads, which poll while a collective waits).
 
 forward - compute is the time the rank spends in collectives or waiting for another rank's
 work. Prints a markdown table; --json prints the rows.
@@ -127,6 +136,19 @@ def recorded_collectives(model, batch_cache, tokens) -> list[tuple]:
     return seen
 
 
+def graph_ops(model, batch_cache, tokens) -> int:
+    """How many operations one forward pass is: the primitives of its graph, counted in MLX's
+    dot export (one node per primitive)."""
+    import mlx.core as mx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dot = Path(tmp) / "step.dot"
+        out = model(tokens, cache=batch_cache)
+        mx.export_to_dot(str(dot), out)
+        mx.eval(out)
+        return dot.read_text().count('[label ="')
+
+
 def replay(calls: list[tuple], group) -> None:
     """The recorded collectives alone, in order, as one graph."""
     import mlx.core as mx
@@ -195,10 +217,13 @@ def profile(loaded, group, mode: str, streams: int, steps: int) -> dict:
         batch.round(None)  # warm
     rounds = max(1, steps // ROUND_STEPS)
     barrier(group)
-    tic = time.perf_counter()
+    tic, main_cpu, rank_cpu = time.perf_counter(), time.thread_time(), time.process_time()
     for _ in range(rounds):
         batch.round(None)
-    step = (time.perf_counter() - tic) / (rounds * ROUND_STEPS)
+    steps_run = rounds * ROUND_STEPS
+    step = (time.perf_counter() - tic) / steps_run
+    main_cpu = (time.thread_time() - main_cpu) / steps_run
+    rank_cpu = (time.process_time() - rank_cpu) / steps_run
 
     cache = batch.generators[0]._generation_batch.prompt_cache  # mlx-lm's caches
     tokens = mx.zeros((streams, 1), dtype=mx.uint32)
@@ -210,6 +235,7 @@ def profile(loaded, group, mode: str, streams: int, steps: int) -> dict:
     barrier(group)
     forward_s = timed(forward, steps)
     calls = recorded_collectives(model, cache, tokens)
+    ops = graph_ops(model, cache, tokens)
     with local_collectives(group.size()):
         compute_s = timed(forward, steps)
     barrier(group)
@@ -228,6 +254,7 @@ def profile(loaded, group, mode: str, streams: int, steps: int) -> dict:
     return {"step_s": step, "forward_s": forward_s, "compute_s": compute_s,
             "collectives_s": collectives_s, "sampling_s": sampling_s,
             "order_s": order_s / ROUND_STEPS, "rest_s": step - forward_s - sampling_s,
+            "main_cpu_s": main_cpu, "ops": ops, "rank_cpu_s": rank_cpu,
             "collective_calls": len(calls)}  # fmt: skip
 
 
@@ -235,8 +262,9 @@ def table(rows: list[dict]) -> str:
     ms = lambda s: f"{s * 1000:.1f}"  # noqa: E731
     lines = [
         "| configuration | streams | rank | step ms | forward | compute | in collectives "
-        "or waiting | collectives alone | sampling | order (per step) | rest |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "or waiting | collectives alone | sampling | order (per step) | rest | ops | main thread "
+        "CPU | rank CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name = r["mode"] if r["ranks"] == 1 else f"{r['mode']} {r['ranks']}"
@@ -245,7 +273,7 @@ def table(rows: list[dict]) -> str:
             f"{ms(r['forward_s'])} | {ms(r['compute_s'])} | "
             f"{ms(r['forward_s'] - r['compute_s'])} | {ms(r['collectives_s'])} "
             f"({r['collective_calls']}) | {ms(r['sampling_s'])} | {ms(r['order_s'])} | "
-            f"{ms(r['rest_s'])} |"
+            f"{ms(r['rest_s'])} | {r['ops']} | {ms(r['main_cpu_s'])} | {ms(r['rank_cpu_s'])} |"
         )
     return "\n".join(lines)
 
