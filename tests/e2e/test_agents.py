@@ -374,16 +374,20 @@ def test_a_client_that_leaves_each_stream_frees_the_server(agents):
     import http.client
     import time
 
+    # greedy, this model answers "{" with 490 tokens ("Tell me a long story" got 32, which at
+    # the default temperature could end before the server saw its client leave)
     bodies = {
         "/v1/messages": {
             "max_tokens": 500,
+            "temperature": 0,
             "stream": True,
-            "messages": [{"role": "user", "content": "Tell me a long story"}],
+            "messages": [{"role": "user", "content": "{"}],
         },  # fmt: skip
         "/v1/responses": {
             "max_output_tokens": 500,
+            "temperature": 0,
             "stream": True,
-            "input": "Tell me a long story",
+            "input": "{",
         },  # fmt: skip
     }
     before = cancelled(agents)
