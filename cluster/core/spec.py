@@ -542,11 +542,12 @@ class JobSpec:
         "decoding together into N micro-batches, each on its own "
         "stream, so that stage k works on one while stage k+1 "
         "works on another (N = the rank count keeps every stage "
-        "busy). It pays where a rank waiting in a collective costs "
-        "no compute (ranks on GPUs, Macs); on CPU ranks with no "
-        "core to spare, MLX's ring spins a core while it waits and "
-        "it costs more than it gives (docs/benchmarks.md). Measure "
-        "it with bench --concurrency.",
+        "busy). Each stage reads its weights once per micro-batch, "
+        "so it gains where a step's cost divides by streams (many "
+        "streams, long contexts), not where reading the weights "
+        "bounds it; and on CPU ranks with no core to spare, MLX's "
+        "ring spins a core while it waits and it costs more than it "
+        "gives (docs/serve.md). Measure it with bench --concurrency.",
         metavar="N",
     )
     measure_links: bool = param(
