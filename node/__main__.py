@@ -108,8 +108,7 @@ def run(spec: JobSpec) -> None:
     emit(Ready(time.perf_counter() - tic, layers=layers, files=loaded.files))
     check_kv_quant(loaded.config, spec.kv_quant.kv_bits, spec.kv_quant.kv_group_size)
     steps = {"prefill_step_size": spec.prefill_step} if spec.prefill_step else {}
-    stages = spec.world_size if spec.mode == "pipeline" else 1
-    use_step_args({**spec.kv_quant.generate_kwargs(), **steps}, stages)
+    use_step_args({**spec.kv_quant.generate_kwargs(), **steps}, spec.stages)
     if loaded.processor is None:  # a grammar's tokens, built when the first grammar comes
         from cluster.core.modelcheck import text_config
         from node.decode.grammar import use_tokenizer

@@ -560,6 +560,11 @@ class JobSpec:
         toggle="--measure-links/--no-measure-links",
     )
 
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: a rank each in pipeline mode, one in tensor mode."""
+        return self.world_size if self.mode == "pipeline" else 1
+
     def to_json(self) -> str:
         return json.dumps(to_dict(self))
 

@@ -137,7 +137,7 @@ def batch_run(job: Job, prompts: list[list[int]], gen_tokens: int,
     streams = len(prompts)
     batch = Lockstep(loaded.model, loaded.tokenizer, streams, streams, 0, group=job.group,
                      prefill_step=spec.prefill_step or PREFILL_STEP,
-                     stages=spec.world_size if spec.mode == "pipeline" else 1,
+                     stages=spec.stages,
                      micro_batches=spec.micro_batches)  # fmt: skip
     tokens: dict[int, list[int]] = {}
     firsts: dict[int, float] = {}
@@ -203,8 +203,7 @@ def run_bench(job: Job) -> None:
     if prompts and rank == 0:
         from node.jobs.batch import micro_batches_note
 
-        stages = job.spec.world_size if job.spec.mode == "pipeline" else 1
-        if (note := micro_batches_note(model, stages, job.spec.micro_batches)) is not None:
+        if (note := micro_batches_note(model, job.spec.stages, job.spec.micro_batches)):
             emit(Notice(note))
     for i in range(b.warmup + b.repeat):
         first = (lambda: emit(FirstToken())) if i == 0 and rank == 0 else None

@@ -603,7 +603,6 @@ def run_serve(job: Job) -> None:
         raise RuntimeError("rank 0 shared no serve setup")
     mx.random.seed(agreed.seed)
     batched = batchable(loaded.model)
-    stages = spec.world_size if spec.mode == "pipeline" else 1
     vocab = Admission.of(loaded.config, options).vocab or loaded.tokenizer.vocab_size
     cache_bytes, live_bytes = cache_budget(agreed.cache_gb, memory_left(spec.ranks_on_host))
     room = kv_room(loaded, spec, live_bytes, group)
@@ -623,14 +622,14 @@ def run_serve(job: Job) -> None:
             vocab,
             agreed.prefill_step,
             options.max_stall,  # rank 0's pace decides; the others follow its orders
-            stages,
+            spec.stages,
             disk,
             spec.micro_batches,
         )
         if batched
         else None
     )
-    note = micro_batches_note(loaded.model, stages, spec.micro_batches) if batched else None
+    note = micro_batches_note(loaded.model, spec.stages, spec.micro_batches) if batched else None
     if note is not None and rank0:
         emit(Notice(note))
     scheduler = None  # rank 0's; rank 0 alone decides what every rank does
