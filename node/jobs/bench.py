@@ -203,7 +203,7 @@ def run_bench(job: Job) -> None:
     if prompts and rank == 0:
         from node.jobs.batch import micro_batches_note
 
-        if (note := micro_batches_note(model, job.spec.stages, job.spec.micro_batches)):
+        if note := micro_batches_note(model, job.spec.stages, job.spec.micro_batches):
             emit(Notice(note))
     for i in range(b.warmup + b.repeat):
         first = (lambda: emit(FirstToken())) if i == 0 and rank == 0 else None
