@@ -34,10 +34,7 @@ def json_schema(schema: Any) -> str:
     import llguidance
 
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as e:
-            raise BadGrammar(f"not JSON: {e}") from None
+        schema = json_text(schema)
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
@@ -50,6 +47,33 @@ def json_schema(schema: Any) -> str:
     except ValueError as e:
         raise BadGrammar(str(e)) from None
     return checked(grammar)
+
+
+MAX_DEPTH = 64  # nesting of a schema sent as JSON text, as of a request's body
+
+
+def json_text(text: str) -> Any:
+    """A schema sent as JSON text (a string where an object goes): parsed under the bounds of
+    a body (its size, its nesting), so a string of 100,000 '[' is a BadGrammar, not a
+    RecursionError that drops the connection."""
+    if len(text) > MAX_SOURCE:
+        raise BadGrammar(f"the schema is {len(text)} characters; at most {MAX_SOURCE}")
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise BadGrammar(f"nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:
+        raise BadGrammar(f"not JSON: {e}") from None
+    todo = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise BadGrammar(f"nested deeper than {MAX_DEPTH} levels")
+        if isinstance(item, dict):
+            todo += [(v, depth + 1) for v in item.values()]
+        elif isinstance(item, list):
+            todo += [(v, depth + 1) for v in item]
+    return value
 
 
 def regex(pattern: Any) -> str:

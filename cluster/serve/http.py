@@ -24,8 +24,10 @@ import queue
 import select
 import selectors
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -73,7 +75,9 @@ class Api:
         keepalive_s: float = SSE_KEEPALIVE_S,
         allowed_hosts: Iterable[str] = (),
         cors_origins: Iterable[str] = (),
+        log=None,
     ):
+        self.log = log or (lambda line: print(f"mlx-cluster: {line}", file=sys.stderr))
         self.keepalive_s = keepalive_s
         self.hosts = own_names(host) | {h.lower().rstrip(".") for h in allowed_hosts}
         self.origins = {o.rstrip("/").lower() for o in cors_origins}
@@ -318,7 +322,39 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
+    def send_response(self, code, message=None):
+        self.responded = True
+        super().send_response(code, message)
+
+    def guarded(self, method) -> None:
+        """Run a route. An exception no check foresaw is a 500 with a JSON body (when no
+        answer began) and one traceback in serve's log, never a connection dropped without a
+        word; the connection then closes (what was left of its request is not read)."""
+        self.responded = False
+        try:
+            method()
+        except GONE:
+            raise
+        except Exception as e:
+            self.close_connection = True
+            self.api.log(f"serve: internal error answering {self.command} {self.path[:200]} "
+                         f"({type(e).__name__}); the server goes on\n"
+                         + traceback.format_exc().rstrip())  # fmt: skip
+            self.service.metrics.finished(500)
+            if not self.responded:
+                why = f"internal error in the server ({type(e).__name__}); its log has the details"
+                self.error(RequestError(500, why, "server_error"))
+
     def do_GET(self):
+        self.guarded(self.get)
+
+    def do_POST(self):
+        self.guarded(self.post)
+
+    def do_OPTIONS(self):
+        self.guarded(self.options)
+
+    def get(self):
         self.discard_body()
         self.reading.cancel()
         path = self.path.split("?")[0].rstrip("/")
@@ -353,7 +389,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self.error(RequestError(404, f"no route {self.path[:200]}", "not_found_error"))
 
-    def do_POST(self):
+    def post(self):
         endpoint = self.api.routes.get(self.path.split("?")[0].rstrip("/"))
         if not self.api.host_allowed(self.headers):
             return self.refuse_host(endpoint)
@@ -390,8 +426,11 @@ class Handler(BaseHTTPRequestHandler):
         except GONE:  # the client went away
             self.close_connection = True
             service.cancel(req)
+        except Exception:  # answered with a 500 (guarded): the ranks stop decoding it
+            service.cancel(req)
+            raise
 
-    def do_OPTIONS(self):
+    def options(self):
         """A browser's preflight, answered for ``--cors-origins`` only."""
         self.discard_body()
         self.reading.cancel()
@@ -411,8 +450,13 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def cors_headers(self) -> None:
+        """Access-Control-Allow-Origin for an origin of ``--cors-origins`` only: a refusal
+        (403) or any answer to another origin grants nothing."""
         origin = self.headers.get("Origin")
-        if origin is not None and self.api.origins:
+        if origin is None or not self.api.origins:
+            return
+        shown = origin.rstrip("/").lower()
+        if "*" in self.api.origins or shown in self.api.origins:
             self.send_header("Access-Control-Allow-Origin", origin)
             self.send_header("Vary", "Origin")
 
@@ -442,17 +486,39 @@ class Handler(BaseHTTPRequestHandler):
         ), endpoint)  # fmt: skip
         return False
 
+    def framing(self) -> str | None:
+        """The body's length as the headers give it (None: no body), or RequestError: a
+        Transfer-Encoding (this server reads bodies by length only) or Content-Lengths that
+        disagree, which a proxy in front may have read otherwise (one body read two ways
+        is a second request smuggled in). Either closes the connection after the answer."""
+        if self.headers.get_all("Transfer-Encoding"):
+            self.close_connection = True
+            codings = ", ".join(self.headers.get_all("Transfer-Encoding") or [])[:60]
+            if "chunked" in codings.lower():
+                raise RequestError(411, "send the body with a Content-Length, not chunked")
+            raise RequestError(501, f"Transfer-Encoding {codings!r} is not implemented; send "
+                                    "the body with a Content-Length")  # fmt: skip
+        lengths = {text.strip() for text in self.headers.get_all("Content-Length") or []}
+        if len(lengths) > 1:
+            self.close_connection = True
+            raise RequestError(400, "the request has Content-Length headers that disagree")
+        text = lengths.pop() if lengths else None
+        if text is not None and (not ascii_digits(text) or len(text) > 18):
+            self.close_connection = True
+            raise RequestError(400, f"bad Content-Length {text[:40]!r}")
+        return text
+
     def discard_body(self) -> None:
         """A body that a route does not read is read and dropped when it is small, else the
         connection closes after the answer: its bytes never become the next request."""
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+        try:
+            text = self.framing()
+        except RequestError:
             self.close_connection = True
             return
-        text = self.headers.get("Content-Length")
         if text is None:
             return
-        text = text.strip()
-        if not ascii_digits(text) or len(text) > 18 or int(text) > 1 << 20:
+        if int(text) > 1 << 20:
             self.close_connection = True
             return
         size = int(text)
@@ -484,13 +550,7 @@ class Handler(BaseHTTPRequestHandler):
         return False
 
     def read_body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self.close_connection = True
-            raise RequestError(411, "send the body with a Content-Length, not chunked")
-        text = self.headers.get("Content-Length", "0").strip()
-        if not ascii_digits(text) or len(text) > 18:
-            self.close_connection = True
-            raise RequestError(400, f"bad Content-Length {text[:40]!r}")
+        text = self.framing() or "0"
         size, most = int(text), self.api.max_body_bytes
         if size > most:
             self.close_connection = True

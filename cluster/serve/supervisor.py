@@ -63,6 +63,7 @@ def serve_until_done(
             max_connections=settings.max_connections,
             allowed_hosts=settings.allowed_hosts,
             cors_origins=settings.cors_origins,
+            log=lambda line: log(stderr, line),
         )
     except OSError as e:
         log(stderr, f"cannot listen on {settings.host}:{settings.port} ({e.strerror}); "

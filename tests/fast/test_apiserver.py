@@ -331,3 +331,78 @@ def test_serve_raises_its_open_files_limit_for_its_connections(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     warning, soft = out.stdout.split()
     assert warning == "None" and int(soft) >= 512, out
+
+
+def test_lengths_that_disagree_and_any_transfer_encoding_get_one_answer_and_a_close(api):
+    """Two different Content-Lengths, or a Transfer-Encoding (identity then chunked: a proxy
+    may read the chunks where this server read a length): one 4xx/501 with Connection:
+    close, never a second answer to what the body smuggled."""
+    smuggled = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    chunked = b"0\r\n\r\n" + smuggled
+    cases = {
+        b"Content-Length: 2\r\nContent-Length: %d\r\n" % len(smuggled): (b"{}" + smuggled, 400),
+        b"Transfer-Encoding: identity\r\nTransfer-Encoding: chunked\r\nContent-Length: 2\r\n": (
+            b"{}" + chunked,
+            411,
+        ),
+        b"Transfer-Encoding: gzip\r\nContent-Length: 2\r\n": (b"{}" + smuggled, 501),
+    }
+    for headers, (body, status) in cases.items():
+        data = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                b"Content-Type: application/json\r\n" + headers + b"\r\n" + body)  # fmt: skip
+        with socket.create_connection(api.address, timeout=10) as s:
+            s.sendall(data)
+            got = b""
+            while chunk := s.recv(65536):  # the server closes: everything it sent
+                got += chunk
+        assert got.startswith(b"HTTP/1.1 %d" % status), got[:80]
+        assert got.count(b"HTTP/1.1 ") == 1 and b"Connection: close" in got, got
+    assert api.service.submitted == []
+
+
+@pytest.mark.parametrize("api", [{"cors_origins": ["http://localhost:3000"]}], indirect=True)
+def test_a_refused_origin_is_granted_nothing(api):
+    for method, path in (("POST", "/v1/chat/completions"), ("OPTIONS", "/v1/chat/completions"),
+                         ("GET", "/v1/models")):  # fmt: skip
+        conn = http.client.HTTPConnection(*api.address, timeout=10)
+        conn.request(method, path, BODY if method == "POST" else None, {
+            "Origin": "http://evil.example", "Content-Type": "application/json"})  # fmt: skip
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 403 and r.headers["Access-Control-Allow-Origin"] is None, method
+
+
+def test_an_unforeseen_exception_is_a_500_with_a_json_body_and_one_logged_traceback(api):
+    lines = []
+    api.log = lines.append
+
+    def broken(body, door):
+        raise AttributeError("'str' object has no attribute 'get'")
+
+    api.routes["/v1/chat/completions"].parse = broken
+    status, body = post(api, BODY)
+    assert status == 500 and "AttributeError" in body["error"]["message"]
+    assert len(lines) == 1 and "Traceback" in lines[0] and "broken" in lines[0]
+    del api.routes["/v1/chat/completions"].parse
+    assert post(api, BODY)[0] == 200  # the server goes on
+
+
+@pytest.mark.timeout(60)
+def test_a_body_that_once_took_hours_to_count_is_refused_at_once_while_health_answers(api):
+    """A 1 MiB body of '"' and '\\"' x 524,288 (no closing quote) was scanned by a
+    backtracking pattern in quadratic time holding the GIL (80 KB: 31 s). Now it is refused
+    as the JSON it is not; /health answers meanwhile (the timeout guards a hang only)."""
+    evil = b'"' + b'\\"' * 524_288
+    health = []
+
+    def poll():
+        conn = http.client.HTTPConnection(*api.address, timeout=30)
+        conn.request("GET", "/health")
+        health.append(conn.getresponse().status)
+
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    status, body = post(api, evil)
+    watcher.join()
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    assert health == [200]

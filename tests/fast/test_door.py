@@ -162,7 +162,18 @@ json_values = st.recursive(
     | st.floats(allow_nan=False)
     | st.text(max_size=8)
     | surrogates
-    | st.sampled_from(["\u00b2", "\u0663", "[" * 80 + "]" * 80]),
+    | st.sampled_from(
+        [
+            "\u00b2",
+            "\u0663",
+            "[" * 80 + "]" * 80,
+            "[" * 3000,
+            '"' + '\\"' * 200,
+            '{"type": "object"}',
+            '{"type": "string", "maxLength": 3}',
+            "{",
+        ]
+    ),
     lambda inner: (
         st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
     ),  # fmt: skip
@@ -174,7 +185,8 @@ field_names = st.sampled_from(
      "tool_choice", "logprobs", "top_logprobs", "n", "stream", "system", "instructions",
      "logit_bias", "response_format", "reasoning", "thinking", "chat_template_kwargs",
      "repetition_penalty", "presence_penalty", "max_completion_tokens", "include",
-     "stream_options", "text", "metadata", "tool_calls"]
+     "stream_options", "text", "metadata", "tool_calls", "guided_json", "guided_regex",
+     "guided_grammar", "guided_choice", "structured_outputs", "output_config", "output_format"]
 )  # fmt: skip
 calls = st.lists(  # tool calls whose arguments are JSON text: deep, odd or with a surrogate
     st.fixed_dictionaries({"function": st.fixed_dictionaries({
@@ -408,3 +420,29 @@ def test_every_ranged_request_field_has_its_row_in_the_docs():
     for fields in FIELDS.values():
         for name in fields:
             assert f"`{name}`" in table, name
+
+
+def test_the_third_review_s_bodies_are_4xx_not_dropped_connections():
+    """Shapes that raised past the door's checks (AttributeError, RecursionError) and so
+    dropped the connection: each is now a 400 naming its field."""
+    from cluster.core.grammar import MAX_DEPTH
+
+    cases = [
+        (CountTokens, {**CHAT, "output_config": "x"}, "output_config"),
+        (Messages, {**CHAT, "max_tokens": 5, "output_config": {"effort": 3}}, "effort"),
+        (ChatCompletions, {**CHAT, "guided_json": "[" * 100_000}, "guided_json"),
+        (ChatCompletions, {**CHAT, "structured_outputs": {"json": "[" * 100_000}},
+         "structured_outputs.json"),
+        (ChatCompletions, {**CHAT, "guided_json": "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1)},
+         f"deeper than {MAX_DEPTH}"),
+        (CountTokens, {**CHAT, "output_config": {"format": {"type": "json_schema",
+                                                            "schema": "{"}}}, "not JSON"),
+    ]  # fmt: skip
+    for endpoint, body, named in cases:
+        with pytest.raises(RequestError) as e:
+            endpoint().parse(body, DOOR)
+        assert e.value.status == 400 and named in str(e.value), (body, str(e.value))
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert parse(ChatCompletions, guided_json=schema).constraint is not None  # text is a schema
+    counted = CountTokens().parse({**CHAT, "output_config": {"effort": "low"}}, DOOR)
+    assert counted.kind == "count" and counted.constraint is None

@@ -21,6 +21,7 @@ appears, so consecutive turns share their prompt's start in the prompt cache. Se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -225,8 +226,13 @@ def output_constraint(body: dict) -> Constraint | None:
 
 
 def effort(body: dict) -> str | None:
-    value = (body.get("output_config") or {}).get("effort")
-    return value if isinstance(value, str) else None
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise RequestError(400, "output_config: must be an object")
+    value = (config or {}).get("effort")
+    if value is not None and not isinstance(value, str):
+        raise RequestError(400, "output_config.effort: must be a string")
+    return value
 
 
 def thinking_switch(body: dict) -> bool | None:
@@ -463,18 +469,12 @@ class CountTokens:
     """/v1/messages/count_tokens: the prompt as the template renders it, counted on rank 0."""
 
     def parse(self, body: Any, door: Door) -> ServeRequest:
+        """Checked as Messages checks the same body (every field it reads, the schemas too),
+        less ``max_tokens``, which counting does not need."""
         body = check_object(body)
-        check_model(body, door)
-        return ServeRequest(
-            id="",
-            kind="count",
-            sampling=Sampling(max_tokens=1),
-            template=Template(
-                tools=anthropic_tools(body.get("tools"), body.get("tool_choice"))[0],
-                enable_thinking=thinking_switch(body),
-                reasoning_effort=effort(body),
-            ),
-            messages=chat_messages(body),
+        checked = Messages().parse({**body, "max_tokens": 1}, door)
+        return dataclasses.replace(
+            checked, kind="count", sampling=Sampling(max_tokens=1), constraint=None
         )
 
     def reply(self, req: ApiRequest, answer: Answer) -> dict:
