@@ -259,23 +259,71 @@ Event = (
     | LinkReport
 )
 EVENTS: dict[str, type] = {cls.kind: cls for cls in typing.get_args(Event)}
+# What only rank 0 says: the answers' text and ends, the serve and chat loop's own events.
+# The same from another rank is that rank's fault (a Wake from rank k would write WAKE into
+# rank 0's request channel, and the launcher would take its Pieces as an answer's).
+RANK0_ONLY = (Piece, ToolCall, Counted, Refused, Serving, Wake, Stats, Prefill, FirstToken,
+              AwaitingInput, BenchRun, LinkReport)  # fmt: skip
+
+
+class BadEvent(ValueError):
+    """A stderr line that starts as an event but is none: unknown, malformed, of the wrong
+    types, or sent by a rank that may not send it. The rank that sent it is at fault."""
 
 
 def encode_event(event: Event) -> str:
     return EVENT_PREFIX + json.dumps({"event": event.kind, **to_dict(event)}) + "\n"
 
 
-def decode_event(line: str) -> Event | None:
-    """The event of a stderr line, or None for an ordinary log line (or one that only looks
-    like an event: it is shown to the user as it is)."""
+def decode_event(line: str, rank: int = 0) -> Event | None:
+    """The event of ``rank``'s stderr line, or None for an ordinary log line; BadEvent for
+    a line that starts as an event and is not a valid one (checked here, once, so that no
+    part of the launcher meets a field it cannot use)."""
     if not line.startswith(EVENT_PREFIX):
         return None
     try:
         data = json.loads(line[len(EVENT_PREFIX) :])
-        cls = EVENTS[data.pop("event")]
-        return from_dict(cls, data)
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-        return None
+        if not isinstance(data, dict) or not isinstance(data.get("event"), str):
+            raise BadEvent("not an object naming its event")
+        name = data.pop("event")
+        if name not in EVENTS:
+            raise BadEvent(f"no event {name[:40]!r}")
+        event: Event = from_dict(EVENTS[name], data)
+    except BadEvent:
+        raise
+    except (ValueError, TypeError, RecursionError) as e:
+        raise BadEvent(str(e)[:300]) from None
+    if rank != 0 and isinstance(event, RANK0_ONLY):
+        raise BadEvent(f"a {event.kind} event, which only rank 0 may send")
+    if isinstance(event, Stats):
+        check_stats(event)
+    return event
+
+
+STATS_USAGE = ("prompt_tokens", "completion_tokens", "total_tokens")
+STATS_TIMINGS = ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
+                 "predicted_per_second", "cache_n")  # fmt: skip
+STATS_OPTIONAL = ("cache_disk_n", "draft_n", "draft_n_accepted")
+
+
+def check_stats(stats: Stats) -> None:
+    """The usage and timings an answer's stats must hold (node.decode.loop.answer_stats
+    writes them), each a number: the stats line, /metrics and the API's usage read them."""
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+    for where, names, got in (("usage", STATS_USAGE, stats.usage),
+                              ("timings", STATS_TIMINGS, stats.timings)):  # fmt: skip
+        missing = [n for n in names if not number(got.get(n))]
+        if missing:
+            raise BadEvent(f"stats: {where}.{missing[0]} is not a number")
+    for name in STATS_OPTIONAL:
+        if name in stats.timings and not number(stats.timings[name]):
+            raise BadEvent(f"stats: timings.{name} is not a number")
+    details = stats.usage.get("prompt_tokens_details", {})
+    if not isinstance(details, dict) or not number(details.get("cached_tokens", 0)):
+        raise BadEvent("stats: usage.prompt_tokens_details.cached_tokens is not a number")
 
 
 def event_fields(event: Event) -> dict[str, Any]:

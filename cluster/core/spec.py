@@ -215,6 +215,13 @@ class ServeSettings:
         Range(0),
         "Longest a request waits (s) for the ranks to start or restart; then 503 with Retry-After.",
     )
+    request_timeout: float = param(
+        3600.0,
+        Range(1),
+        "Longest a request may be under way (s), from the ranks taking it to its last "
+        "token; past it the client gets 504 and the ranks drop it, so no client waits "
+        "forever on an answer that cannot come.",
+    )
     decode_concurrency: int = param(
         32,
         Range(1, integer=True),
@@ -663,21 +670,69 @@ def to_dict(obj: Any, raw_bytes: bool = False) -> Any:
 
 def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     """The inverse of ``to_dict``; fields missing from ``data`` take their defaults, unknown
-    keys are an error (a launcher and a rank of different versions)."""
+    keys are an error (a launcher and a rank of different versions), and so is a value that
+    is not of its field's type (ValueError naming the field): what a rank or the launcher
+    sends is checked where it is read, not trusted."""
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
     decoders = _decoders(cast(Any, cls))
     unknown = sorted(set(data) - decoders.keys())
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)}")
-    return cls(**{name: _value(decoders[name], value) for name, value in data.items()})
+    out = {}
+    for name, value in data.items():
+        decoder, hint = decoders[name]
+        if decoder is None and not conforms(hint, value):
+            shown = json.dumps(value)[:60] if _jsonable(value) else type(value).__name__
+            raise ValueError(f"{cls.__name__}.{name}: expected {_shown(hint)}, got {shown}")
+        out[name] = _value(decoder, value, hint)
+    return cls(**out)
+
+
+def conforms(hint: Any, value: Any) -> bool:
+    """Whether a plain JSON value is of ``hint`` (str, int, float, bool, lists and dicts of
+    them, unions, Any); an int is a float, a bool is neither."""
+    if hint is Any:
+        return True
+    if _is_union(hint):
+        return any(conforms(h, value) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    origin, args = typing.get_origin(hint) or hint, typing.get_args(hint)
+    if origin is list:
+        return isinstance(value, list) and (not args or all(conforms(args[0], v) for v in value))
+    if origin is dict:
+        return isinstance(value, dict) and (
+            not args or all(isinstance(k, str) and conforms(args[1], v) for k, v in value.items())
+        )
+    return True  # a hint no JSON value is checked against (none so far)
+
+
+def _shown(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 @functools.cache
-def _decoders(cls: type) -> dict[str, Any]:
+def _decoders(cls: type) -> dict[str, tuple[Any, Any]]:
     """Per field of ``cls``: the dataclass, ``bytes``, ``[dataclass]`` (a list of them) or
-    None (a plain JSON value) its value is decoded as. Resolved once per class: the launcher
-    decodes an event per token."""
+    None (a plain JSON value) its value is decoded as, and its type hint. Resolved once per
+    class: the launcher decodes an event per token."""
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
@@ -688,15 +743,23 @@ def _decoders(cls: type) -> dict[str, Any]:
             args = typing.get_args(o)
             if typing.get_origin(o) is list and args and dataclasses.is_dataclass(args[0]):
                 found = [args[0]]
-        out[f.name] = found
+        out[f.name] = (found, hint)
     return out
 
 
-def _value(decoder: Any, value: Any) -> Any:
-    if value is None or decoder is None:
+def _value(decoder: Any, value: Any, hint: Any = None) -> Any:
+    if value is None:
+        if hint is not None and not conforms(hint, None) and decoder is not None:
+            raise ValueError(f"expected {_shown(hint)}, got null")
+        return value
+    if decoder is None:
         return value
     if decoder is bytes:
-        return bytes(value) if isinstance(value, (bytes, bytearray)) else base64.b64decode(value)
+        if isinstance(value, (bytes, bytearray)):
+            return bytes(value)
+        if not isinstance(value, str):
+            raise ValueError(f"expected bytes as base64 text, got {type(value).__name__}")
+        return base64.b64decode(value)
     if isinstance(decoder, list):
         if not isinstance(value, list):
             raise ValueError(f"expected a list of {decoder[0].__name__}")

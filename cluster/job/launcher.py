@@ -39,6 +39,7 @@ from cluster.core.protocol import (
     START,
     WAKE,
     AwaitingInput,
+    BadEvent,
     Error,
     Event,
     Phase,
@@ -335,13 +336,25 @@ class RankWatch:
         self.wrote_newline = payload.endswith(b"\n")
 
     def on_stderr(self, state: RankState, line: str) -> None:
-        event = decode_event(line)
+        """One line of a rank's stderr: an event, or a log line for its tail. A line that
+        starts as an event and is not a valid one from this rank is the rank's fault: the
+        job fails naming it (serve restarts the ranks), never the launcher."""
+        try:
+            event = decode_event(line, state.rank)
+        except BadEvent as e:
+            state.tail.append(line.rstrip("\n")[:500])
+            return self.misbehaved(state, f"sent an event the launcher cannot take ({e})")
         if event is None:
             state.tail.append(line.rstrip("\n"))
             if self.launch.verbose:
                 self.stderr.write(f"[rank {state.rank} {state.host}] {line}")
             return
-        for say in on_event(self.state, state.rank, event, self.elapsed()):
+        try:
+            said = on_event(self.state, state.rank, event, self.elapsed())
+        except Exception as e:  # a field no check foresaw: still this rank's, not ours
+            return self.misbehaved(state, f"sent a {event.kind} event the launcher cannot "
+                                          f"take ({type(e).__name__}: {e})")  # fmt: skip
+        for say in said:
             log(self.stderr, say.text)
         if isinstance(event, Phase) and not self.started_all:
             self.start_together()
@@ -354,6 +367,10 @@ class RankWatch:
             self.stderr.flush()
         elif isinstance(event, Ready) and self.launch.verbose:
             self.stderr.write(f"[rank {state.rank} {state.host}] {ready_line(event)}\n")
+
+    def misbehaved(self, state: RankState, why: str) -> None:
+        state.error, state.misbehaved = why, True
+        self.fail(state)
 
     def wake_others(self, waker: int) -> None:
         """Rank 0 has work after a rest: every other rank leaves its own (protocol.WAKE)."""
@@ -550,7 +567,10 @@ def _stop_all(ranks: list, states: list[RankState], events: queue.Queue) -> None
         except queue.Empty:
             break
         if kind == "err":
-            event = decode_event(payload)
+            try:
+                event = decode_event(payload, rank)
+            except BadEvent:
+                event = None
             if event is None:
                 states[rank].tail.append(payload.rstrip("\n"))
             elif isinstance(event, Error):

@@ -145,9 +145,62 @@ def _pump_bytes(stream, rank: int, events: queue.Queue) -> None:
     stream.close()
 
 
+MAX_LINE = 8 << 20  # bytes of one stderr line: an event holds a tool call's arguments at most
+
+
+class Lines:
+    """A rank's stderr cut into lines, in time linear in its bytes however they arrive (no
+    buffer joined again per read); a line past MAX_LINE is cut there, marked, and the rest of
+    it dropped up to its newline, so a rank cannot grow the launcher's memory without end."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.cut = False
+
+    def feed(self, data: bytes) -> list[str]:
+        *whole, rest = data.split(b"\n")
+        lines = []
+        for piece in whole:
+            self.add(piece)
+            lines.append(self.line())
+        self.add(rest)
+        return lines
+
+    def end(self) -> list[str]:
+        """What is left after the stream ended, as a last line."""
+        return [self.line()] if self.parts or self.cut else []
+
+    def add(self, piece: bytes) -> None:
+        if self.cut:
+            return
+        if len(piece) > MAX_LINE - self.size:
+            piece, self.cut = piece[: MAX_LINE - self.size], True
+        if piece:
+            self.parts.append(piece)
+            self.size += len(piece)
+
+    def line(self) -> str:
+        text = b"".join(self.parts).decode("utf-8", "replace")
+        if self.cut:
+            text += f" [cut: longer than {MAX_LINE} bytes]"
+        self.parts, self.size, self.cut = [], 0, False
+        return text + "\n"
+
+
+def pump_lines(read, rank: int, events: queue.Queue) -> None:
+    """Every line ``read()`` (bytes; b"" at the end) gives, as ("err", rank, line)."""
+    lines = Lines()
+    while data := read():
+        for line in lines.feed(data):
+            events.put(("err", rank, line))
+    for line in lines.end():
+        events.put(("err", rank, line))
+
+
 def _pump_lines(stream, rank: int, events: queue.Queue) -> None:
-    for raw in iter(stream.readline, b""):
-        events.put(("err", rank, raw.decode("utf-8", "replace")))
+    fd = stream.fileno()
+    pump_lines(lambda: os.read(fd, 65536), rank, events)
     stream.close()
 
 

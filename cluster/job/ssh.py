@@ -29,7 +29,7 @@ from typing import Any
 import paramiko
 
 from cluster.core.hostfile import Host, Hostfile
-from cluster.job.process import STOP_GRACE_S, RankLaunch, node_command, shell_command
+from cluster.job.process import STOP_GRACE_S, RankLaunch, node_command, pump_lines, shell_command
 
 CONNECT_TIMEOUT_S = 10.0
 SIGNAL_TIMEOUT_S = 3.0  # for a host to answer a kill over an open connection; past it: lost
@@ -413,10 +413,4 @@ def _read_stdout(chan: paramiko.Channel, rank: int, events: queue.Queue) -> None
 
 
 def _read_stderr(chan: paramiko.Channel, rank: int, events: queue.Queue) -> None:
-    partial = b""
-    while data := chan.recv_stderr(65536):
-        *lines, partial = (partial + data).split(b"\n")
-        for line in lines:
-            events.put(("err", rank, line.decode("utf-8", "replace") + "\n"))
-    if partial:
-        events.put(("err", rank, partial.decode("utf-8", "replace") + "\n"))
+    pump_lines(lambda: chan.recv_stderr(65536), rank, events)

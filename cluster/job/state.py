@@ -56,6 +56,7 @@ class RankState:
     progress_at: float = 0.0  # job time (elapsed) when it last changed
     idle: bool = False  # waits for the user on purpose: no progress is expected
     stalled: bool = False  # given up on because no rank made progress (a stuck collective)
+    misbehaved: bool = False  # sent what the launcher cannot take (a malformed event)
     gpu: Gpu | None = None  # the NVIDIA GPU its MLX device is, when its host has one
 
 
@@ -353,7 +354,7 @@ def culprit(failed: RankState, states: list[RankState]) -> RankState:
     to a peer was lost", reported as peer errors) and their exits can even arrive first. So:
     the earliest error a rank reported as its own; else a rank that died without a word (a
     signal, a lost connection), preferring one the launcher did not stop itself."""
-    if failed.unresponsive or failed.stalled:
+    if failed.unresponsive or failed.stalled or failed.misbehaved:
         return failed
     reported = [s for s in states if s.error_t is not None]
     if reported:
@@ -370,6 +371,8 @@ def failure_report(failed: RankState, states: list[RankState]) -> str:
     code = failed.exit_code
     if failed.stalled:
         how = "waits with every other rank in a collective that does not complete"
+    elif failed.misbehaved:
+        how = "misbehaved"
     elif failed.unresponsive:
         how = "stopped responding"
     elif failed.error_t is not None:
@@ -392,6 +395,9 @@ def failure_report(failed: RankState, states: list[RankState]) -> str:
         lines.append(f"  last lines of rank {failed.rank} ({failed.host}):")
         lines.extend(f"    {line}" for line in failed.tail)
     hint = None if failed.bad_model else HINTS.get(failed.phase)  # the reason says what to do
+    if failed.misbehaved:
+        hint = ("check that {host} runs the launcher's version of mlx-cluster (mlx-cluster "
+                "install); if it does, this is a bug: report it with these lines")  # fmt: skip
     if hint:
         lines.append(f"  what to do: {hint.format(host=failed.host)}")
     lines.append("  every other rank was stopped")

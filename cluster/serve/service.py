@@ -97,6 +97,7 @@ class Flight:
     shown: bool = False  # text reached the client's queue
     last: float = 0.0  # when the last text came
     gone: bool = False  # the client left; its end is dropped
+    sent: float = field(default_factory=time.monotonic)  # when it went to rank 0
     prefill: tuple[int, int] | None = None  # prompt tokens prefilled, of: while rank 0 does
 
 
@@ -429,7 +430,17 @@ class Service:
         self.inflight.clear()
 
     def reap(self, now: float) -> None:
-        """Requests past the restart wait get 503 with Retry-After."""
+        """Requests past the restart wait get 503 with Retry-After; requests under way past
+        --request-timeout get 504 and are dropped on the ranks."""
+        for flight in [f for f in self.inflight.values() if not f.gone]:
+            if now - flight.sent > self.settings.request_timeout:
+                req = flight.req
+                del self.inflight[req.id]
+                self.write({"op": "cancel", "id": req.id})
+                why = (f"no complete answer within {self.settings.request_timeout:g} s "
+                       "(serve --request-timeout); the ranks dropped it")  # fmt: skip
+                self.refuse(req, RequestError(504, why, "server_error"))
+                log(self.stderr, f"request {req.id}: {why}")
         late = [
             j
             for j in self.pending

@@ -181,3 +181,57 @@ def test_failures_past_max_restarts_end_serve_naming_each(model):
     assert [n for n, _ in failures] == ["1", "2"], log
     assert all("rank 1" in text for _, text in failures), failures
     assert not ranks_of(served)
+
+
+SAYS = '''
+import os, sys, threading, time
+
+def _say():
+    """A rank of the test's serve writes each line the test drops in its folder for it
+    (rN-*.line) to its stderr, as a rank sends an event (the test's own fault)."""
+    folder, mine = os.environ["MLXC_TEST_SAYS"], "r" + os.environ["MLX_RANK"] + "-"
+    while True:
+        for name in sorted(os.listdir(folder)):
+            if name.startswith(mine) and name.endswith(".line"):
+                path = os.path.join(folder, name)
+                data = open(path, "rb").read()
+                os.remove(path)
+                os.write(2, data)
+        time.sleep(0.05)
+
+if "MLX_RANK" in os.environ and b"\\x00run\\x00" in open("/proc/self/cmdline", "rb").read():
+    threading.Thread(target=_say, daemon=True).start()
+'''
+
+
+def test_a_rank_s_malformed_event_or_wake_restarts_the_ranks_naming_it(model, tmp_path):
+    """What once hung a client (a Wake from rank 1 wrote WAKE into rank 0's request channel,
+    whose next line was then dropped and kept in flight forever) or ended serve (rank 0's
+    stats without their timings: KeyError in the launcher): each is now that rank's failure,
+    named, the ranks restart, and the request under way is answered."""
+    (tmp_path / "sitecustomize.py").write_text(SAYS)
+    says = tmp_path / "says"
+    says.mkdir()
+    served = Served(model, "-n", "2", env={"PYTHONPATH": str(tmp_path),
+                                            "MLXC_TEST_SAYS": str(says)})  # fmt: skip
+    expected = chat_reference(model, 16)
+    prefix = "\x1emlx-cluster "
+    broken = '{"event": "stats", "finish_reason": "stop", "usage": {}, "timings": {}}'
+    lines = [(1, prefix + '{"event": "wake"}\n'), (0, prefix + broken + "\n")]
+    try:
+        text = lambda: ask(served.client).choices[0].message.content  # noqa: E731
+        assert text() == expected
+        for i, (rank, line) in enumerate(lines, 1):
+            with ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(text)
+                (says / f"r{rank}-{i}.line").write_text(line)
+                health = serving_again(served, i)
+                assert answer.result(timeout=120) == expected
+            message = health["last_failure"]["message"]
+            assert f"rank {rank}" in message and "misbehaved" in message, message
+        assert text() == expected
+    finally:
+        code = served.stop()
+    log = "".join(served.log)
+    assert "only rank 0 may send" in log and "usage.prompt_tokens is not a number" in log, log
+    assert code == 0, log

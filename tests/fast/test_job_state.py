@@ -1,6 +1,8 @@
 """The launcher's bookkeeping of a job (cluster.job.state) and the events it reads
 (cluster.core.protocol): phases, readiness, silence, and which rank a failure blames."""
 
+import pytest
+
 from cluster.core import protocol
 from cluster.job.state import (
     JobState,
@@ -11,6 +13,7 @@ from cluster.job.state import (
     on_text,
     overdue,
 )
+from node.decode.loop import answer_stats
 
 
 def test_events_round_trip_and_log_lines_stay_lines():
@@ -18,7 +21,7 @@ def test_events_round_trip_and_log_lines_stay_lines():
         protocol.Beat(),
         protocol.Phase("loading"),
         protocol.Ready(1.5, layers=[0, 3], files=["a.safetensors"]),
-        protocol.Stats("length", {"prompt_tokens": 3}, {"prompt_n": 3}, 0.1),
+        protocol.Stats(**answer_stats(3, 10.0, 2, 5.0, 2, "length", 0.1)),
         protocol.Error("boom", t=1.0, peer=True),
         protocol.BenchComm({"send": 1}, allsum_bytes=4),
     ]
@@ -27,8 +30,48 @@ def test_events_round_trip_and_log_lines_stay_lines():
         assert line.endswith("\n") and line.count("\n") == 1
         assert protocol.decode_event(line) == event
     assert protocol.decode_event("Traceback (most recent call last):\n") is None
-    assert protocol.decode_event(protocol.EVENT_PREFIX + '{"event": "nope"}\n') is None
-    assert protocol.decode_event(protocol.EVENT_PREFIX + "{broken\n") is None
+
+
+def test_a_rank_s_events_are_checked_and_a_bad_one_is_the_rank_s_fault():
+    """Names, types and contents, and who may send what: what once ended serve (a stats
+    event without its timings: KeyError in the stats line) or hung a client (a Wake from rank
+    1 wrote WAKE into rank 0's request channel) is a BadEvent of that rank."""
+    good = protocol.Stats(**answer_stats(3, 10.0, 2, 5.0, 2, "stop", 0.1), request="r")
+    bad = {
+        '{"event": "nope"}': "no event",
+        "{broken": "Expecting",
+        "[1]": "not an object",
+        '{"event": "stats", "finish_reason": "stop", "usage": {}, "timings": {}}': "usage.",
+        '{"event": "piece", "request": "r", "text": 5}': "Piece.text: expected str",
+        '{"event": "beat", "progress": "x"}': "Beat.progress",
+        '{"event": "ready", "load_s": 1, "layers": ["a"]}': "Ready.layers",
+        '{"event": "memory", "peak_memory_gb": true}': "Memory.peak_memory_gb",
+    }
+    for line, why in bad.items():
+        with pytest.raises(protocol.BadEvent, match=why):
+            protocol.decode_event(protocol.EVENT_PREFIX + line + "\n")
+    broken = protocol.encode_event(good).replace('"prompt_n": 3', '"prompt_n": "3"')
+    with pytest.raises(protocol.BadEvent, match="timings.prompt_n"):
+        protocol.decode_event(broken)
+    for event in (protocol.Wake(), good, protocol.Piece("r", "hi")):
+        assert protocol.decode_event(protocol.encode_event(event), rank=0) == event
+        with pytest.raises(protocol.BadEvent, match="only rank 0"):
+            protocol.decode_event(protocol.encode_event(event), rank=1)
+    for event in (protocol.Beat(3), protocol.Memory(1.5), protocol.Error("x", t=1.0)):
+        assert protocol.decode_event(protocol.encode_event(event), rank=2) == event
+
+
+def test_a_rank_s_stderr_is_cut_into_lines_in_linear_time_and_bounded():
+    from cluster.job.process import MAX_LINE, Lines
+
+    lines = Lines()
+    got = []
+    for _ in range(4096):  # a 32 MiB line arriving in 8 KiB reads: was quadratic
+        got += lines.feed(b"x" * 8192)
+    got += lines.feed(b"y\nnext\n") + lines.end()
+    assert len(got) == 2 and got[1] == "next\n"
+    assert len(got[0]) < MAX_LINE + 100 and got[0].endswith(f"longer than {MAX_LINE} bytes]\n")
+    assert Lines().feed(b"a\nb") == ["a\n"]
 
 
 def job(n: int = 2) -> JobState:

@@ -4,6 +4,7 @@ any rank starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -196,3 +197,22 @@ def test_health_shows_each_request_being_prefilled():
     assert svc.health()["prefilling"] == [{"id": req.id, "done": 4096, "total": 30000}]
     svc.on_event(0, Piece(req.id, "hi"))
     assert svc.health()["prefilling"] == []
+
+
+def test_a_request_under_way_past_its_deadline_gets_504_and_is_dropped_on_the_ranks():
+    """A request line rank 0 never answers (lost, or a rank stuck on it) no longer keeps
+    its client waiting forever: past --request-timeout it gets 504 and rank 0 a cancel."""
+    svc, sent = service()
+    svc.settings = dataclasses.replace(svc.settings, request_timeout=5.0)
+    start_job(svc, sent)
+    req = request(stream=False)
+    svc.submit(req)
+    (line,) = wait_sent(sent, 1)
+    svc.reap(time.monotonic() + 1)
+    assert req.chunks.empty()
+    svc.reap(time.monotonic() + 6)
+    error = req.chunks.get_nowait()
+    assert error.status == 504 and "--request-timeout" in str(error)
+    cancel = wait_sent(sent, 2)[-1]
+    assert cancel == {"op": "cancel", "id": line["request"]["id"]}
+    assert req.id not in svc.inflight
