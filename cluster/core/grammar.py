@@ -10,18 +10,36 @@ schema every turn.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
+from collections import OrderedDict
 from typing import Any
 
 # JSON as json.dumps and chat templates' tojson write it (one space after ',' and ':') and no
 # other whitespace: an answer's length is then bounded by the schema's, not by how much
 # whitespace a model likes
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# llguidance's bounds on one grammar; the rest keep its defaults (a step's work ~14 ms at most,
-# compiling a lexer ~20 ms of fuel). 50,000 lexer states are ~100 MB at most (its default,
-# 250,000, is up to 500 MB per grammar).
-LIMITS: dict[str, Any] = {"max_lexer_states": 50_000, "max_grammar_size": 500_000}
+# llguidance's bounds on one request's matcher, every one set here (not its defaults, which
+# change between releases): each is counted, not timed, so a request that passes one fails at
+# the same token on every rank. A matcher is one request's (node.decode.grammar): its lexer's
+# states count against this request alone. Rank 0 also times each request's grammar work per
+# step against the step (node.decode.grammar.Budget): counts bound one step, time the rest.
+# - max_items_in_row: an Earley row (llguidance's default): an object of ~500 optional
+#   properties needs ~2,000;
+# - step_max_items: items made computing one mask, 1/5 of the default (50,000); a highly
+#   ambiguous grammar reaches it within a few hundred tokens, JSON schemas stay far under;
+# - step_lexer_fuel: the lexer's work for one mask (the default, ~3-14 ms);
+# - initial_lexer_fuel: building the lexer at the start (the default);
+# - max_lexer_states: 50,000 states are ~30-100 MB (the default, 250,000, up to 500 MB);
+# - max_grammar_size: symbols in the grammar's productions (the default).
+LIMITS: dict[str, Any] = {
+    "max_items_in_row": 2_000,
+    "step_max_items": 10_000,
+    "step_lexer_fuel": 200_000,
+    "initial_lexer_fuel": 1_000_000,
+    "max_lexer_states": 50_000,
+    "max_grammar_size": 500_000,
+}
 MAX_SOURCE = 1 << 20  # characters of a schema, regex or grammar
 
 
@@ -87,12 +105,20 @@ def regex(pattern: Any) -> str:
 
 
 def lark(text: Any) -> str:
+    """A Lark grammar as llguidance takes it, or llama.cpp's GBNF (``root ::= ...``), which
+    llguidance's own converter turns into Lark."""
     import llguidance
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
     if not isinstance(text, str) or not text.strip():
-        raise BadGrammar("a grammar is a non-empty string (Lark, as llguidance takes it)")
+        raise BadGrammar("a grammar is a non-empty string (Lark, or GBNF)")
     if len(text) > MAX_SOURCE:
         raise BadGrammar(f"the grammar is {len(text)} characters; at most {MAX_SOURCE}")
+    if "::=" in text and not is_lark_syntax(text):
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as e:  # the converter's own errors (GbnfToLarkError, ...)
+            raise BadGrammar(f"GBNF: {first_line(str(e))}") from None
     return checked(llguidance.LLMatcher.grammar_from_lark(text))
 
 
@@ -109,17 +135,39 @@ def choice(options: Any) -> str:
     return regex("|".join(re.escape(o) for o in options))
 
 
-@functools.lru_cache(maxsize=256)
 def checked(grammar: str) -> str:
     """``grammar`` once llguidance compiles it without a tokenizer; BadGrammar naming the
-    first error otherwise."""
+    first error otherwise. Each verdict is kept by the text's digest (an agent sends the same
+    schema every turn), never the text: the cache is a few KB whatever the grammars."""
     import llguidance
 
-    limits = llguidance.LLParserLimits(**LIMITS)
-    error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits)
-    if error and not error.startswith("WARNING"):
-        raise BadGrammar(first_line(error))
+    key = digest(grammar)
+    verdict = VERDICTS.get(key)
+    if verdict is None:
+        limits = llguidance.LLParserLimits(**LIMITS)
+        error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits)
+        verdict = first_line(error) if error and not error.startswith("WARNING") else ""
+    remember(VERDICTS, key, verdict)
+    if verdict:
+        raise BadGrammar(verdict)
     return grammar
+
+
+VERDICTS_KEPT = 1024
+VERDICTS: OrderedDict[bytes, str] = OrderedDict()  # digest -> "" (valid) or the error
+
+
+def digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+def remember(verdicts: OrderedDict[bytes, str], key: bytes, verdict: str) -> None:
+    """A verdict kept, the oldest forgotten past VERDICTS_KEPT (the launcher's threads may
+    race here: the worst is a grammar checked twice)."""
+    verdicts[key] = verdict
+    verdicts.move_to_end(key)
+    while len(verdicts) > VERDICTS_KEPT:
+        verdicts.popitem(last=False)
 
 
 def first_line(error: str) -> str:

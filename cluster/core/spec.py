@@ -326,6 +326,7 @@ class Grammar:
 
     text: str
     after: list[int] | None = None
+    ticket: int | None = None  # serve: its matcher was built ahead (Order.compile)
 
 
 @dataclass
@@ -356,6 +357,8 @@ class Order:
     quit: bool = False
     prefill_step: int | None = None
     rest: bool = False  # nothing to do: every rank rests until rank 0 wakes it (node.rank)
+    compile: list[Grammar] = field(default_factory=list)  # build these matchers, off the loop
+    dropped: list[int] = field(default_factory=list)  # tickets whose requests will not come
 
 
 @dataclass

@@ -7,9 +7,17 @@ every rank: pipeline stages share the last hidden state, tensor shards all_sum),
 builds its own matcher from the same grammar text and the same tokenizer.json, consumes the
 same sampled tokens, and so computes the same mask: no mask crosses a link. The launcher
 already checked the grammar without a tokenizer (cluster.serve.api.constrain); rank 0 checks
-it against the model's tokens on its prepare thread, and a grammar is compiled once per
-process (``compiled``, cached by its text) and copied for each request, so nothing compiles on
-the decode loop twice.
+it against the model's tokens on its prepare thread (``check``: a verdict kept by digest).
+Each request has a matcher of its own, never a copy of a cached one (copies share their
+lexer's states, and so their limit: one long answer used it up for every later request, and a
+rank whose cache had seen other requests decided other masks). In serve every rank builds it
+on a thread (``Compiling``) before the request joins the batch, so nothing compiles on the
+decode loop.
+
+What one request's grammar may cost is bounded twice: by counts (cluster.core.grammar's
+LIMITS, the same at the same token on every rank: the answer ends there with an error), and
+by time on rank 0 (``Budget``: a share of the model's step; rank 0 ends the request and every
+rank drops it with the next order).
 
 A mask is computed while the forward pass runs: the processor starts the step's evaluation
 (``mx.async_eval``) before it reads the last token and asks the matcher. When the prompt leaves
@@ -27,6 +35,8 @@ from __future__ import annotations
 
 import functools
 import json
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +44,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from cluster.core.grammar import JSON_OPTIONS, LIMITS  # one set for the launcher and ranks
+from cluster.core.grammar import (  # one set for the launcher and ranks
+    JSON_OPTIONS,
+    LIMITS,
+    digest,
+    remember,
+)
 from cluster.core.spec import Grammar
 from node.rank.numbers import host_ints
 
@@ -67,7 +82,7 @@ def use_tokenizer(model_dir: Path, eos_ids, vocab: int) -> None:
     global _SOURCE
     _SOURCE = (Path(model_dir) / "tokenizer.json", tuple(sorted(eos_ids)), int(vocab))
     tokens.cache_clear()
-    compiled.cache_clear()
+    VERDICTS.clear()
 
 
 @functools.cache
@@ -85,46 +100,127 @@ def tokens() -> Tokens:
     return Tokens(tokenizer, vocab)
 
 
-@functools.lru_cache(maxsize=128)
-def compiled(grammar: str):
-    """The pristine matcher of ``grammar`` (copied for each request); GrammarError when this
-    model's tokens cannot follow it."""
+def fresh(grammar: str):
+    """A new matcher of ``grammar``, this request's alone: llguidance's copies of one
+    matcher share its lexer's states (and their limit), so a matcher is never copied from a
+    cache; GrammarError when this model's tokens cannot follow the grammar."""
     import llguidance
 
     t = tokens()
-    error = llguidance.LLMatcher.validate_grammar(grammar, t.tokenizer, limits=limits())
-    if error and not error.startswith("WARNING"):
-        raise GrammarError(error.strip().splitlines()[0][:500])
     matcher = llguidance.LLMatcher(t.tokenizer, grammar, log_level=0, limits=limits())
     if matcher.is_error():
-        raise GrammarError(matcher.get_error().strip().splitlines()[0][:500])
+        raise GrammarError(first_line(matcher.get_error()))
     return matcher
 
 
+def first_line(error: str) -> str:
+    return (error.strip().splitlines() or ["invalid"])[0][:500]
+
+
+VERDICTS: OrderedDict[bytes, str] = OrderedDict()  # digest -> "" or why (rank 0's checks)
+
+
 def check(grammar: str) -> None:
-    """Rank 0, off the decode loop: the grammar compiles for this model (GrammarError)."""
-    compiled(grammar)
+    """Rank 0, off the decode loop: the grammar compiles for this model (GrammarError). The
+    verdict is kept by the text's digest; no matcher is kept."""
+    import llguidance
+
+    key = digest(grammar)
+    verdict = VERDICTS.get(key)
+    if verdict is None:
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokens().tokenizer,
+                                                      limits=limits())  # fmt: skip
+        verdict = first_line(error) if error and not error.startswith("WARNING") else ""
+    remember(VERDICTS, key, verdict)
+    if verdict:
+        raise GrammarError(verdict)
+
+
+class Compiling:
+    """Every rank's matchers being built for the requests rank 0 announced (Order.compile),
+    on a thread of their own, so that no rank compiles on its decode loop: rank 0 inserts a
+    request only once every rank said its matcher is ready (``ready``, one all_sum), and
+    the request takes it then (``take``). Tickets come from rank 0's orders, so every rank
+    holds the same ones."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.futures: dict[int, Any] = {}
+
+    def submit(self, grammars: list[Grammar]) -> None:
+        for g in grammars:
+            if g.ticket is not None:
+                self.futures[g.ticket] = self.pool.submit(fresh, g.text)
+
+    @property
+    def pending(self) -> list[int]:
+        return sorted(self.futures)
+
+    def ready(self, wait: float = 0.0) -> list[bool]:
+        """For each pending ticket (in order), whether its matcher is built (or failed)
+        here; waits up to ``wait`` seconds for them first (nothing else to do)."""
+        from concurrent.futures import wait as wait_for
+
+        if wait > 0:
+            wait_for(list(self.futures.values()), timeout=wait)
+        return [self.futures[t].done() for t in self.pending]
+
+    def take(self, ticket: int):
+        """The ticket's matcher (GrammarError as its build raised it); kept until ``drop``
+        (a request alone tries its chain, then decodes with a new one: the same matcher,
+        reset)."""
+        return self.futures[ticket].result()
+
+    def drop(self, tickets) -> None:
+        for t in tickets:
+            future = self.futures.pop(t, None)
+            if future is not None:
+                future.cancel()
+
+
+compiling = Compiling()  # this rank's
 
 
 class Constrained:
     """A logits processor (mlx-lm's ``processor(tokens, logits)``) that masks every token the
     grammar does not allow next. ``after``: token ids that must appear in the answer before
-    the grammar applies (the end of a think block the prompt opened)."""
+    the grammar applies (the end of a think block the prompt opened). Its matcher is its own:
+    built by ``compiling`` (serve: the ticket rank 0 gave it), else here.
 
-    def __init__(self, grammar: str, after: list[int] | None = None):
-        self.grammar = grammar
-        self.after = list(after or [])
+    A matcher that fails (a limit of LIMITS reached: the same token on every rank) allows
+    only end-of-sequence, so every rank ends the answer at the same step, and keeps why in
+    ``failure``: the answer is then an error, never a quiet stop. ``spent`` and ``steps``
+    count this rank's time in the matcher (rank 0's Budget reads them)."""
+
+    def __init__(self, grammar: str | Grammar, after: list[int] | None = None):
+        if isinstance(grammar, Grammar):
+            self.grammar, self.after = grammar.text, list(grammar.after or [])
+            ticket = grammar.ticket
+        else:
+            self.grammar, self.after, ticket = grammar, list(after or []), None
+        if ticket is not None and ticket in compiling.futures:
+            self.matcher = compiling.take(ticket)
+        else:
+            self.matcher = fresh(self.grammar)
+        self.failure: str | None = None
+        self.spent = 0.0  # seconds in the matcher
+        self.steps = 0
+        t = tokens()
+        self.words = np.zeros((1, (t.vocab + 31) // 32), dtype=np.int32)
         self.reset()
 
     def reset(self) -> None:
         """Back to the start (``node.sampling.tried`` runs the chain once on dummy tokens)."""
-        self.matcher = compiled(self.grammar).deep_copy()
+        self.matcher.reset()
         self.start: int | None = None  # tokens before the first call: the prompt (or feed)
         self.fed = 0  # answer tokens given to the matcher (or to the wait for ``after``)
         self.waiting = bool(self.after)
         self.tail: list[int] = []  # the answer so far while waiting, to find ``after`` in
-        t = tokens()
-        self.words = np.zeros((1, (t.vocab + 31) // 32), dtype=np.int32)
+        self.failure = None
+        self.complete = False  # the answer matched and ended: only end-of-sequence follows
+        self.spent, self.steps = 0.0, 0
 
     def __call__(self, history: mx.array, logits: mx.array) -> mx.array:
         n = history.shape[-1]
@@ -134,35 +230,86 @@ class Constrained:
         new = host_ints(history[self.start + self.fed :]) if n > self.start + self.fed else []
         self.fed += len(new)
         if self.waiting:
+            seen = len(self.tail)
             self.tail += new
-            at = find(self.tail, self.after)
+            # only where the marker could newly end: the scan is linear in the reasoning
+            at = find(self.tail, self.after, max(0, seen - len(self.after) + 1))
             if at < 0:
                 return logits
             self.waiting = False
             new = self.tail[at + len(self.after) :]
-        if new:
-            self.matcher.consume_tokens(new)
-        return self.masked(logits)
+            self.tail = []
+        began = time.perf_counter()
+        if new and self.failure is None and not self.complete:
+            accepting = self.matcher.is_accepting()
+            if not self.matcher.consume_tokens(new) and accepting:
+                # tokens past a complete answer (mlx-lm computes a step past its end of
+                # sequence): the answer stands; only end-of-sequence follows
+                self.complete = True
+        masked = self.masked(logits)
+        self.spent += time.perf_counter() - began
+        self.steps += 1
+        return masked
 
     def masked(self, logits: mx.array) -> mx.array:
         from llguidance.numpy import fill_next_token_bitmask
 
-        if self.matcher.is_error():  # cannot happen under the mask; end the answer alike
-            allowed = np.zeros(logits.shape[-1], dtype=bool)
+        allowed = np.zeros(logits.shape[-1], dtype=bool)
+        if self.failure is None and not self.complete and not self.matcher.is_error():
+            fill_next_token_bitmask(self.matcher, self.words)
+        if self.failure is None and not self.complete and self.matcher.is_error():
+            self.failure = first_line(self.matcher.get_error())
+        if self.failure is not None or self.complete:  # every rank alike: the answer ends
             allowed[tokens().tokenizer.eos_tokens] = True
         else:
-            fill_next_token_bitmask(self.matcher, self.words)
             bits = np.unpackbits(self.words.view(np.uint8), bitorder="little")
-            allowed = np.zeros(logits.shape[-1], dtype=bool)
             width = min(len(bits), logits.shape[-1])
             allowed[:width] = bits[:width].astype(bool)
         return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), logits.dtype))
 
 
-def find(seq: list[int], part: list[int]) -> int:
-    """Where ``part`` first occurs in ``seq`` (-1: nowhere)."""
+class GrammarFailed(RuntimeError):
+    """An answer's grammar failed mid-answer (a limit of LIMITS): on every rank alike."""
+
+
+def failure_of(chain) -> str | None:
+    """Why the grammar among a request's processors failed, if it did."""
+    for process in chain or []:
+        if isinstance(process, Constrained) and process.failure is not None:
+            return process.failure
+    return None
+
+
+@dataclass
+class Budget:
+    """Rank 0's bound on a request's grammar work per step, decided on rank 0 alone and
+    carried to every rank as a removal, so no rank decides otherwise: over the last
+    ``window`` steps its matcher may take at most ``share`` of the model's own step (the
+    step less every grammar's work), or ``floor`` seconds when that is more. A request over it
+    ends with an error; the others in the batch then step at least 1 / (1 + share) as fast
+    as alone (0.8x at 0.25)."""
+
+    share: float = 0.25
+    floor: float = 0.002
+    window: int = 4
+
+    def over(self, spent: float, steps: int, model_step: float) -> str | None:
+        """Why ``spent`` seconds over ``steps`` steps is over budget (None: it is not); a
+        window's worth spent in fewer steps is over at once."""
+        allowed = max(self.floor, self.share * model_step)
+        if spent <= max(steps, self.window) * allowed:
+            return None
+        per_step = spent / max(steps, 1)
+        return (f"the grammar took {per_step * 1000:.1f} ms per token, over its budget of "
+                f"{allowed * 1000:.1f} ms ({self.share:.0%} of the model's step, at least "
+                f"{self.floor * 1000:g} ms); simplify it: fewer alternatives, less "
+                "ambiguity")  # fmt: skip
+
+
+def find(seq: list[int], part: list[int], start: int = 0) -> int:
+    """Where ``part`` first occurs in ``seq`` from ``start`` (-1: nowhere)."""
     k = len(part)
-    for i in range(len(seq) - k + 1):
+    for i in range(start, len(seq) - k + 1):
         if seq[i : i + k] == part:
             return i
     return -1

@@ -69,11 +69,20 @@ def generate(
     if request.grammar is not None:  # drafts are not checked against a grammar: decoded alone
         speculation = None
     watch = prefill_watch(group, cancelled, cancellable, on_prefill)
+    made: list = []  # the request's processors: did its grammar fail?
     try:
         answer = stream(
             token_stream(
-                model, tokenizer, request, prompt_cache, feed, speculation, watch, first_logits
-            ),
+                model,
+                tokenizer,
+                request,
+                prompt_cache,
+                feed,
+                speculation,
+                watch,
+                first_logits,
+                made,
+            ),  # fmt: skip
             write,
             answer_text(tokenizer, request),
             group,
@@ -86,6 +95,12 @@ def generate(
         mx.synchronize(generation_stream)
         stats = answer_stats(e.total, 0.0, 0, 0.0, 0, "cancelled", None)
         return Generated("", [], stats)
+    if request.grammar is not None:
+        from node.decode.grammar import GrammarFailed, failure_of
+
+        if (why := failure_of(made)) is not None:  # on every rank alike, at the same token
+            raise GrammarFailed(f"the answer's grammar failed after {len(answer.tokens)} "
+                                f"tokens: {why}")  # fmt: skip
     cached = len(request.tokens) - len(feed) if feed is not None else 0
     answer.stats["timings"].update(cache_n=cached, cache_disk_n=from_disk)
     answer.stats["usage"]["prompt_tokens_details"]["cached_tokens"] = cached
@@ -122,6 +137,7 @@ def token_stream(
     speculation=None,
     on_progress: Callable[[int, int], None] | None = None,
     first_logits: list | None = None,
+    made: list | None = None,
 ) -> Iterable[Any]:
     """mlx-lm's stream of responses for ``request``: its seed, sampler and processors; with
     ``speculation``, mlx-lm's speculative step (the prompt cache then holds the model's
@@ -135,6 +151,9 @@ def token_stream(
     if speculation is not None:  # mlx-lm's speculative step takes --kv-bits too
         extra.update(draft_model=speculation.proposer, num_draft_tokens=speculation.k)
         model = Ticking(model)  # mlx-lm drops the prefill callback when it speculates
+    chain = processors(request, len(feed))
+    if made is not None:
+        made += chain
     return stream_generate(
         model,
         tokenizer,
@@ -143,7 +162,7 @@ def token_stream(
         sampler=sampler(request),
         logits_processors=[
             *([record_first(first_logits)] if first_logits is not None else []),
-            *processors(request, len(feed)),
+            *chain,
         ],
         prompt_cache=prompt_cache,
         prompt_progress_callback=on_progress or (lambda *_: progress.tick()),

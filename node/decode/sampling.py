@@ -147,5 +147,5 @@ def processors(request: SharedRequest, prompt_len: int) -> list:
     if request.grammar is not None:
         from node.decode.grammar import Constrained
 
-        chosen.append(Constrained(request.grammar.text, request.grammar.after))
+        chosen.append(Constrained(request.grammar))
     return chosen

@@ -41,6 +41,7 @@ pipeline.)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, KeysView, Sequence
 
 import mlx.core as mx
@@ -53,6 +54,7 @@ from mlx_lm.models.cache import (
 )
 
 from cluster.core.spec import Order
+from node.decode.grammar import Constrained, compiling
 from node.decode.loop import STOP_CHECK_EVERY, Ticking
 from node.decode.prefill import PREFILL_STEP, prefill_step
 from node.decode.sampling import RequestFailed, tried
@@ -188,6 +190,8 @@ class Lockstep:
         self.from_disk: dict[int, int] = {}  # the last apply's: uid -> prompt tokens from disk
         self.scopes: dict[int, str] = {}  # uid -> its prompt cache scope (prompt_cache_key)
         self.kept = 0  # answers' caches kept since the bytes were last checked
+        self.grammars: dict[int, Constrained] = {}  # uid -> its grammar's processor
+        self.last_round = (0.0, 0)  # (seconds, steps) of the last round
 
     @property
     def live(self) -> KeysView[int]:
@@ -231,6 +235,9 @@ class Lockstep:
             except RequestFailed as e:
                 joined.append((None, 0, str(e)))
                 continue
+            finally:
+                if r.grammar is not None and r.grammar.ticket is not None:
+                    compiling.drop([r.grammar.ticket])  # its chain holds the matcher now
             scope = cache_scope(r.cache_key)
             cache, rest, from_disk = self.nearest(r.tokens, scope)
             m = min(range(len(self.generators)), key=lambda i: len(self.held[i]))
@@ -247,6 +254,9 @@ class Lockstep:
             self.held[m][inner] = uid
             self.where[uid] = (m, inner)
             joined.append((uid, len(r.tokens) - len(rest), None))
+            for process in chain:
+                if isinstance(process, Constrained):
+                    self.grammars[uid] = process
             self.scopes[uid] = scope
             if from_disk:
                 self.from_disk[uid] = from_disk
@@ -260,6 +270,7 @@ class Lockstep:
             self.forget(uid)
             self.prefilling.pop(uid, None)
             self.scopes.pop(uid, None)
+            self.grammars.pop(uid, None)
         return joined
 
     def forget(self, uid: int) -> None:
@@ -338,10 +349,12 @@ class Lockstep:
         step before it waits for its last, so while one micro-batch waits for the last stage
         (its share of the final hidden state) the other's layers run on its own stream, and
         every stage is busy."""
+        began, steps = time.perf_counter(), 0
         with collectives_on(self.comm):
             for _ in range(self.steps_this_round()):
                 if not self.live:
                     break
+                steps += 1
                 for m, generator in enumerate(self.generators):
                     if self.held[m]:
                         self.step(m, generator, on_token)
@@ -349,6 +362,7 @@ class Lockstep:
             mx.synchronize(generator.stream)
         if self.comm is not None:
             mx.synchronize(self.comm)
+        self.last_round = (time.perf_counter() - began, steps)
         if self.kept:
             self.fit_bytes()
 
@@ -369,7 +383,9 @@ class Lockstep:
                 self.forget(r.uid)
                 self.keep(r)
             if on_token is not None:
-                on_token(r)
+                on_token(r)  # rank 0 reads a failed grammar's why in self.grammars
+            if r.finish_reason is not None:
+                self.grammars.pop(r.uid, None)
 
     def close(self) -> None:
         for generator in reversed(self.generators):  # each puts back the wired limit it found

@@ -54,6 +54,7 @@ from cluster.core.spec import (
     from_dict,
     to_dict,
 )
+from node.decode.grammar import Budget, GrammarFailed, compiling
 from node.decode.loop import answer_stats
 from node.decode.parts import Parts, token_logprobs
 from node.decode.sampling import RequestFailed, seeded, tried
@@ -310,6 +311,13 @@ class Scheduler:
         self.removals: list[int] = []
         self.drain_deadline: float | None = None
         self.reserved = 0  # tokens of KV the requests in the batch may come to hold
+        # requests whose matchers every rank builds before they join (Order.compile)
+        self.compiling: dict[int, tuple[Flight, SharedRequest]] = {}
+        self.tickets = 0  # tickets handed out
+        self.dropped: list[int] = []  # tickets of requests that will not come
+        self.grammars: dict[int, Any] = {}  # uid -> its Constrained (the batch's, shared)
+        self.budget = Budget()
+        self.spent: dict[int, tuple[float, int]] = {}  # uid -> (spent, steps) when judged
 
     def listen(self, stream: IO[bytes], log: Callable[[str], None]) -> None:
         self.inbox = Inbox(stream, log, self.prepare,
@@ -376,7 +384,7 @@ class Scheduler:
         """The next order for every rank: an empty one is a ping (nothing to do, all still
         here), None means go on as before. Blocks while there is nothing to do."""
         inbox = self.inbox
-        if not live and not self.waiting:
+        if not live and not self.waiting and not self.compiling:
             if inbox.prepared_all.is_set() and inbox.flights.empty():
                 return Order(quit=True)
             try:
@@ -394,6 +402,7 @@ class Scheduler:
                 self.finish(uid, one, "cancelled")
         order = Order(remove=self.removals)
         self.removals = []
+        self.announce(order)
         insert: list[SharedRequest] = []
         size = tokens = 0
         room = self.admission.kv_room
@@ -408,7 +417,7 @@ class Scheduler:
                     break  # alone: once the batch is empty
                 self.waiting.popleft()
                 self.inserting = [(flight, request)]
-                return Order(single=request)
+                return Order(single=request, compile=order.compile, dropped=order.dropped)
             if insert and size + flight.size > ORDER_BYTES:
                 break  # the rest join at the next round: one order stays far under the limit
             need = needed(request)
@@ -419,7 +428,53 @@ class Scheduler:
             insert.append(request)
             self.inserting.append(self.waiting.popleft())
         order.insert = insert
-        return order if insert or order.remove else None
+        return order if insert or order.remove or order.compile or order.dropped else None
+
+    def announce(self, order: Order) -> None:
+        """Requests with a grammar go to every rank's Compiling first (``order.compile``),
+        and wait in ``compiling`` until ``compiled`` says every rank built their matchers;
+        a cancelled one's ticket is dropped everywhere."""
+        for flight, request in [w for w in self.waiting if w[1].grammar is not None]:
+            grammar = request.grammar
+            if grammar is None or grammar.ticket is not None:
+                continue
+            grammar.ticket = self.tickets
+            self.tickets += 1
+            self.waiting.remove((flight, request))
+            self.compiling[grammar.ticket] = (flight, request)
+            order.compile.append(Grammar(grammar.text, ticket=grammar.ticket))
+        for ticket, (flight, _) in list(self.compiling.items()):
+            if flight.cancel.is_set():
+                del self.compiling[ticket]
+                self.dropped.append(ticket)
+                self.inbox.ended(flight)
+        order.dropped, self.dropped = self.dropped, []
+
+    def compiled(self, tickets: list[int]) -> None:
+        """Every rank holds these tickets' matchers: their requests may join (first in line,
+        in the order they came)."""
+        for ticket in sorted(tickets, reverse=True):
+            if ticket in self.compiling:
+                self.waiting.appendleft(self.compiling.pop(ticket))
+
+    def police(self, step: tuple[float, int]) -> None:
+        """Every request's grammar within its Budget: ``step`` is the last round's (seconds,
+        steps). One over it ends with an error, and every rank drops it at the next order."""
+        seconds, steps = step
+        if not steps or not self.grammars:
+            return
+        spent = {
+            uid: c.spent - self.spent.get(uid, (0.0, 0))[0] for uid, c in self.grammars.items()
+        }
+        model_step = max(0.0, seconds - sum(spent.values())) / steps
+        for uid, c in list(self.grammars.items()):
+            before = self.spent.get(uid, (0.0, 0))
+            why = self.budget.over(c.spent - before[0], c.steps - before[1], model_step)
+            if c.steps - before[1] >= self.budget.window:
+                self.spent[uid] = (c.spent, c.steps)  # the next window starts here
+            one = self.in_batch.get(uid)
+            if why is not None and one is not None:
+                self.finish(uid, one, "grammar", error=why)
 
     def rest(self) -> None:
         """Every rank rests (Order.rest): rank 0 waits, using no CPU, for a prepared request
@@ -437,9 +492,11 @@ class Scheduler:
             return
         for uid, one in list(self.in_batch.items()):
             self.finish(uid, one, "cancelled")
-        for flight, _ in self.waiting:
+        for flight, _ in [*self.waiting, *self.compiling.values()]:
             self.emit(Refused(flight.request.id, 503, "the server is shutting down"))
         self.waiting.clear()
+        self.dropped += list(self.compiling)
+        self.compiling.clear()
 
     def bind(self, joined: list[tuple[int | None, int, str | None]],
              from_disk: dict[int, int] | None = None) -> None:  # fmt: skip
@@ -468,6 +525,14 @@ class Scheduler:
             if one is not None and done:
                 self.emit(Prefill(done + one.cached, total + one.cached, one.flight.request.id))
 
+    def grammar_failed(self, flight: Flight, why: str) -> None:
+        constraint = flight.request.constraint
+        source = constraint.source if constraint is not None and constraint.source else "grammar"
+        self.emit(Refused(flight.request.id, 400, f"'{source}': the answer was ended: {why}"))
+        log_line = f"serve: request {flight.request.id}: its grammar failed: {why}"
+        self.inbox.log(log_line)
+        self.inbox.ended(flight)
+
     def failed(self, flight: Flight, why: str) -> None:
         self.emit(Refused(flight.request.id, 500, f"the request failed on the ranks ({why}); "
                                                "the server goes on"))  # fmt: skip
@@ -492,17 +557,25 @@ class Scheduler:
             self.finish(r.uid, one, "stop")
         elif r.finish_reason is not None:
             self.piece(one.flight, one.text.finish())
-            self.finish(r.uid, one, r.finish_reason, ended=True)
+            grammar = self.grammars.get(r.uid)
+            failed = grammar.failure if grammar is not None else None
+            self.finish(r.uid, one, r.finish_reason, ended=True, error=failed)
         elif one.flight.cancel.is_set():
             self.finish(r.uid, one, "cancelled")
 
-    def finish(self, uid: int, one: InBatch, reason: str, ended: bool = False) -> None:
+    def finish(self, uid: int, one: InBatch, reason: str, ended: bool = False,
+               error: str | None = None) -> None:  # fmt: skip
         """The request's answer is complete; unless the generator ended it, every rank drops
-        it at the next order."""
+        it at the next order. ``error``: its grammar failed (a limit, its budget): the answer
+        is an error (400; a stream under way ends with an error event), never a stop."""
         del self.in_batch[uid]
         self.reserved -= one.need
+        self.spent.pop(uid, None)
         if not ended:
             self.removals.append(uid)
+        if error is not None:
+            self.grammar_failed(one.flight, error)
+            return
         decode_s = (one.last - one.first) if one.last and one.first else 0.0
         stats = answer_stats(
             one.prompt_n,
@@ -639,6 +712,8 @@ def run_serve(job: Job) -> None:
         scheduler = Scheduler(loaded.tokenizer, emit, batched, options.drain_timeout, admission,
                               rests=can_rest())  # fmt: skip
         scheduler.listen(launcher_input(), log)
+        if batch is not None:
+            scheduler.grammars = batch.grammars
         emit(Serving(model_id(spec.model), batched))
     live = 0
     memory_at = 0.0
@@ -653,6 +728,10 @@ def run_serve(job: Job) -> None:
         progress.tick()  # a round, or an idle ping every PING_S: all ranks met
         if time.monotonic() - memory_at > MEMORY_EVERY_S:
             report_memory()
+        if compiling.pending:  # the same tickets on every rank: they came in the orders
+            built = agree_built(group, wait=0.0 if live else 0.02)
+            if scheduler is not None:
+                scheduler.compiled(built)
         order = scheduler.order(live) if scheduler is not None else None
         if scheduler is not None and batch is not None:
             joining = [len(r.tokens) for r in order.insert] if order is not None else []
@@ -662,6 +741,8 @@ def run_serve(job: Job) -> None:
                 order.prefill_step = step
         order = share_order(order, group)
         if order is not None:
+            compiling.submit(order.compile)
+            compiling.drop(order.dropped)
             if order.quit:
                 break
             if order.single is not None:
@@ -676,6 +757,7 @@ def run_serve(job: Job) -> None:
             live = len(batch.live)
             if scheduler is not None:
                 scheduler.prefill_progress(batch.prefilling)
+                scheduler.police(batch.last_round)
         if order is not None and order.rest:  # nothing to do: no collective until rank 0 wakes us
             report_memory()  # what the last answers read and wrote, before a rest of any length
             with progress.waiting():
@@ -684,6 +766,24 @@ def run_serve(job: Job) -> None:
         batch.close()
     if disk is not None:
         disk.flush()  # what the last answers left to write, before the ranks end
+
+
+def agree_built(group, wait: float) -> list[int]:
+    """Every rank at once: the tickets whose matchers every rank has built (one all_sum of
+    a flag per pending ticket); ``wait``: how long a rank with nothing to decode waits for
+    its builds first, so an idle batch does not spin in collectives."""
+    import mlx.core as mx
+
+    from node.rank.dist import control_stream
+    from node.rank.numbers import host_ints
+
+    pending = compiling.pending
+    flags = compiling.ready(wait)
+    if group is None or group.size() == 1:
+        return [t for t, done in zip(pending, flags, strict=True) if done]
+    counts = mx.distributed.all_sum(mx.array(flags, dtype=mx.int32), group=group,
+                                    stream=control_stream())  # fmt: skip
+    return [t for t, n in zip(pending, host_ints(counts), strict=True) if n == group.size()]
 
 
 def decode_alone(
@@ -697,6 +797,8 @@ def decode_alone(
     try:
         tried(request, vocab)
     except RequestFailed as e:  # on every rank alike
+        if request.grammar is not None and request.grammar.ticket is not None:
+            compiling.drop([request.grammar.ticket])
         if scheduler is not None and flight is not None:
             scheduler.inserting = []
             scheduler.failed(flight, str(e))
@@ -709,18 +811,29 @@ def decode_alone(
             if done:
                 emit(Prefill(done, total, rid))
 
-    answer = generate(
-        loaded.model,
-        loaded.tokenizer,
-        request,
-        functools.partial(scheduler.piece, flight) if scheduler and flight else None,
-        group,
-        cancelled=flight.cancel.is_set if flight is not None else None,
-        cancellable=True,
-        on_response=functools.partial(scheduler.logprobs, flight) if scheduler and flight else None,
-        speculation=loaded.speculation,
-        on_prefill=on_prefill,
-    )
+    try:
+        answer = generate(
+            loaded.model,
+            loaded.tokenizer,
+            request,
+            functools.partial(scheduler.piece, flight) if scheduler and flight else None,
+            group,
+            cancelled=flight.cancel.is_set if flight is not None else None,
+            cancellable=True,
+            on_response=(
+                functools.partial(scheduler.logprobs, flight) if scheduler and flight else None
+            ),
+            speculation=loaded.speculation,
+            on_prefill=on_prefill,
+        )
+    except GrammarFailed as e:  # on every rank alike, at the same token
+        if scheduler is not None and flight is not None:
+            scheduler.inserting = []
+            scheduler.grammar_failed(flight, str(e))
+        return
+    finally:
+        if request.grammar is not None and request.grammar.ticket is not None:
+            compiling.drop([request.grammar.ticket])
     if scheduler is not None and flight is not None:
         scheduler.inserting = []
         scheduler.answered(flight, answer.stats)
