@@ -26,7 +26,7 @@ import queue
 import secrets
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -272,6 +272,42 @@ class Admission:
         return SharedRequest(seeded(sampling), tokens)
 
 
+class Failures:
+    """Grammars whose answers failed lately (a limit, the time budget), by digest: the same
+    grammar again within ``FORGET_S`` is refused as rank 0 prepares it (400, with the first
+    failure's reason), before any rank builds it or any step pays for it; a client that
+    resends it at once cannot keep the batch slow. Rank 0's alone: the ranks never learn of a
+    request it refuses."""
+
+    KEPT = 1024
+    FORGET_S = 600.0
+
+    def __init__(self) -> None:
+        self.seen: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def add(self, text: str, why: str) -> None:
+        from cluster.core.grammar import digest
+
+        with self.lock:
+            self.seen[digest(text)] = (why, time.monotonic())
+            self.seen.move_to_end(digest(text))
+            while len(self.seen) > self.KEPT:
+                self.seen.popitem(last=False)
+
+    def check(self, text: str, source: str | None) -> None:
+        """Refusal when this grammar failed within FORGET_S."""
+        from cluster.core.grammar import digest
+
+        with self.lock:
+            found = self.seen.get(digest(text))
+        if found is not None and time.monotonic() - found[1] < self.FORGET_S:
+            ago = time.monotonic() - found[1]
+            raise Refusal(f"'{source or 'grammar'}': this grammar's answer failed {ago:.0f} s "
+                          f"ago ({found[0]}); it is refused for {self.FORGET_S:g} s after a "
+                          "failure")  # fmt: skip
+
+
 @dataclass
 class InBatch:
     """Rank 0's view of one request in the batch."""
@@ -317,6 +353,7 @@ class Scheduler:
         self.dropped: list[int] = []  # tickets of requests that will not come
         self.grammars: dict[int, Any] = {}  # uid -> its Constrained (the batch's, shared)
         self.budget = Budget()
+        self.failures = Failures()  # grammars that failed lately: refused at once
         self.spent: dict[int, tuple[float, int]] = {}  # uid -> (spent, steps) when judged
 
     def listen(self, stream: IO[bytes], log: Callable[[str], None]) -> None:
@@ -363,6 +400,7 @@ class Scheduler:
             shared = self.admission.request(tokens, r.sampling)
             if r.constraint is not None:
                 shared.grammar = constrained(self.tokenizer, r, tokens)
+                self.failures.check(shared.grammar.text, r.constraint.source)
             shared.cache_key = r.cache_key
             flight.shared, flight.size = shared, shared_size(shared)
         except Refusal as e:
@@ -525,9 +563,11 @@ class Scheduler:
             if one is not None and done:
                 self.emit(Prefill(done + one.cached, total + one.cached, one.flight.request.id))
 
-    def grammar_failed(self, flight: Flight, why: str) -> None:
+    def grammar_failed(self, flight: Flight, why: str, text: str | None = None) -> None:
         constraint = flight.request.constraint
         source = constraint.source if constraint is not None and constraint.source else "grammar"
+        if text is not None:
+            self.failures.add(text, why)
         self.emit(Refused(flight.request.id, 400, f"'{source}': the answer was ended: {why}"))
         log_line = f"serve: request {flight.request.id}: its grammar failed: {why}"
         self.inbox.log(log_line)
@@ -574,7 +614,9 @@ class Scheduler:
         if not ended:
             self.removals.append(uid)
         if error is not None:
-            self.grammar_failed(one.flight, error)
+            shared = one.flight.shared
+            text = shared.grammar.text if shared is not None and shared.grammar else None
+            self.grammar_failed(one.flight, error, text)
             return
         decode_s = (one.last - one.first) if one.last and one.first else 0.0
         stats = answer_stats(

@@ -166,3 +166,40 @@ def test_bad_schemas_are_400s_naming_the_keyword(served):
             model=served.model_id, max_tokens=10, messages=ask(served),
             tools=[{"name": "get_time", "input_schema": {"type": "object"}}],
             tool_choice={"type": "tool", "name": "nope"})  # fmt: skip
+
+
+def test_a_hostile_grammar_ends_alone_with_an_error_and_its_neighbour_is_untouched(
+    served, tool_model
+):
+    """The third review's ambiguous grammar (its mask's work grows with every token; the
+    end of sequence held off by logit_bias) beside a greedy free request: the grammar's
+    request ends with a 400 naming its field (its time budget or llguidance's counts, on
+    every rank alike), the neighbour's text is its lone answer, and the same grammar sent
+    again is refused at once."""
+    eos = json.loads((tool_model / "config.json").read_text())["eos_token_id"]
+    ambiguous = 'start: x\nx: x x | x x x | "a" | "b" | "ab"\n'
+    hostile = {"prompt": "x", "max_tokens": 400, "temperature": 1.0,
+               "logit_bias": {str(eos): -100},
+               "structured_outputs": {"grammar": ambiguous}}  # fmt: skip
+
+    def neighbour() -> str:
+        r = served.openai.chat.completions.create(
+            model=served.model_id, messages=ask(served), temperature=0, max_tokens=60)  # fmt: skip
+        return r.choices[0].message.content
+
+    alone = neighbour()
+    with ThreadPoolExecutor(2) as pool:
+        refused = pool.submit(served.openai.completions.create, model=served.model_id, **{
+            k: v for k, v in hostile.items() if k in ("prompt", "max_tokens", "temperature",
+                                                      "logit_bias")},
+            extra_body={"structured_outputs": hostile["structured_outputs"]})  # fmt: skip
+        beside = pool.submit(neighbour)
+        with pytest.raises(openai.BadRequestError) as e:
+            refused.result(timeout=300)
+        assert beside.result(timeout=300) == alone
+    message = e.value.body["message"]
+    assert "'structured_outputs.grammar'" in message and "the answer was ended" in message
+    with pytest.raises(openai.BadRequestError, match="refused for 600 s after a failure"):
+        served.openai.completions.create(
+            model=served.model_id, prompt="x", max_tokens=40,
+            extra_body={"structured_outputs": hostile["structured_outputs"]})  # fmt: skip
