@@ -112,9 +112,11 @@ def run(spec: JobSpec) -> None:
     if loaded.processor is None:  # a grammar's tokens, built when the first grammar comes
         from cluster.core.modelcheck import text_config
         from node.decode.grammar import use_tokenizer
+        from node.model.load import check_same_tokenizer
 
         vocab = text_config(loaded.config).get("vocab_size") or loaded.tokenizer.vocab_size
         use_tokenizer(loaded.path, loaded.tokenizer.eos_token_ids, vocab)
+        check_same_tokenizer(loaded, vocab, group)
     if spec.command in ("chat", "serve", "bench"):  # every rank alike; one-shot jobs: rank 0
         check_request(loaded.config, spec.command, False, repr(loaded.config["model_type"]))
     disk = None

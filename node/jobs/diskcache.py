@@ -46,9 +46,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from node.rank.dist import control_stream
-from node.rank.numbers import host_int
-
 BLOCK_TOKENS = 256
 FORMAT = "2"
 TMP_SUFFIX = ".tmp"
@@ -56,7 +53,7 @@ STORE = "mlx-cluster-kv"  # the folder of ours under the one the user names
 MARKER = "MLX-CLUSTER-KV"  # in it: this folder is the prompt cache's
 KEY_FILE = ".key"  # in it: the HMAC key of its blocks (0600)
 MANIFEST = "layers.json"  # in a plan's folder: the shapes and dtypes its blocks hold
-FINGERPRINTS = "fingerprints.json"  # in the store: weights' fingerprints by path, size, mtime
+FINGERPRINTS = "fingerprints.json"  # in the store: weights' fingerprints by path and stat
 PLAN_NAME = re.compile(r"[0-9a-f]{24}")
 BLOCK_NAME = re.compile(r"[0-9a-f]{40}\.safetensors")
 TMP_NAME = re.compile(r"[0-9a-f]{40}\.safetensors\.\d+\.\d+\.tmp|.+\.\d+\.\d+\.tmp")
@@ -168,7 +165,9 @@ def weights_fingerprint(model_dir: Path, store: Path | None = None) -> str:
     """The weights' content on this host: the config, the index, and each safetensors file's
     ``file_fingerprint`` (a host may hold only its own stage's files: another host's ranks
     have their own keys, and their miss is every rank's). Remembered in the store by path,
-    size and mtime, so a start reads each file's samples once."""
+    size, mtime, inode and ctime, so a start reads each file's samples once, and a file
+    replaced by another of the same size and mtime (a copy that keeps times, ``cp -p``,
+    rsync) is read again: its inode or its ctime, which no copy can set, changed."""
     model_dir = Path(model_dir)
     known: dict = {}
     cache_file = store / FINGERPRINTS if store is not None else None
@@ -184,7 +183,7 @@ def weights_fingerprint(model_dir: Path, store: Path | None = None) -> str:
     changed = False
     for f in sorted(model_dir.glob("*.safetensors")):
         st = f.stat()
-        key = f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        key = f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
         if not isinstance(known.get(key), str):
             known[key] = file_fingerprint(f)
             changed = True
@@ -640,8 +639,6 @@ def _restore(a: np.ndarray, dtype: str) -> mx.array:
 
 def agree_min(n: int, group) -> int:
     """The smallest ``n`` over the ranks (one all_sum of a vector with a slot per rank)."""
-    if group is None or group.size() == 1:
-        return n
-    slots = mx.zeros((group.size(),), dtype=mx.int32)
-    slots[group.rank()] = n
-    return host_int(mx.distributed.all_sum(slots, group=group, stream=control_stream()).min())
+    from node.rank.dist import gather_ints
+
+    return min(gather_ints(n, group))

@@ -7,6 +7,7 @@ materialised, so each rank's memory is about its share of the model.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tempfile
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 from cluster.core.modelcheck import (
     ModelError,
+    SetupError,
     choose_split,
     is_vision_model,
     looks_like_repo,
@@ -255,3 +257,36 @@ def load_shard(
     else:
         tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     return Loaded(model, tokenizer, config, layers, files, processor, path=Path(model_dir))
+
+
+def tokenizer_digest(model_dir: Path, eos_ids, vocab: int) -> int:
+    """31 bits of what makes this rank's tokens mean what rank 0's mean: tokenizer.json (or
+    the files that stand for it), the end-of-sequence ids and the logits' width."""
+    h = hashlib.sha256(f"{sorted(eos_ids)}:{vocab}".encode())
+    for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt"):
+        path = Path(model_dir) / name
+        if path.exists():
+            h.update(name.encode() + path.read_bytes())
+    return int.from_bytes(h.digest()[:4], "little") & 0x7FFFFFFF
+
+
+def check_same_tokenizer(loaded, vocab: int, group) -> None:
+    """Every rank's tokenizer is rank 0's, or the job stops at start with a sentence: ranks
+    whose tokens differ would mask, stop and count differently (a grammar failing on one rank
+    alone, a batch out of step). The ranks that differ say so; the others wait on them."""
+    from node.rank.dist import gather_ints
+    from node.rank.share import PeerFailed
+
+    digests = gather_ints(tokenizer_digest(loaded.path, loaded.tokenizer.eos_token_ids, vocab),
+                          group)  # fmt: skip
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    if not odd:
+        return
+    where = f"{', '.join(f'rank {r}' for r in odd)} {'differs' if len(odd) == 1 else 'differ'}"
+    if group.rank() in odd:
+        raise SetupError(
+            f"this rank's tokenizer (tokenizer.json, end-of-sequence ids or vocabulary) is not "
+            f"rank 0's ({where}): the model's copy on this host is another version or "
+            "incomplete; copy it again from the host of rank 0 (mlx-cluster sync)"
+        )
+    raise PeerFailed(f"a rank's tokenizer is not rank 0's ({where}); see that rank's error")

@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from cluster.core.backends import BACKENDS, RING, Backend
 from cluster.core.modelcheck import SetupError
-from node.rank.numbers import host_float
+from node.rank.numbers import host_float, host_ints
 
 _joined: Backend = RING  # the backend this process joined: MLX joins one group per process
 
@@ -54,3 +54,13 @@ def rank0_stopped(stopped: bool, group, gen_stream) -> bool:
     flag = mx.array(1.0 if stopped else 0.0)
     flag = mx.distributed.all_sum(flag, group=group, stream=control_stream())
     return host_float(flag) > 0
+
+
+def gather_ints(value: int, group) -> list[int]:
+    """Every rank's ``value`` (int32), on every rank: one all_sum of a vector with a slot
+    per rank."""
+    if group is None or group.size() == 1:
+        return [value]
+    slots = mx.zeros((group.size(),), dtype=mx.int32)
+    slots[group.rank()] = value
+    return host_ints(mx.distributed.all_sum(slots, group=group, stream=control_stream()))

@@ -148,6 +148,29 @@ def test_rank_crash_while_loading(models, tmp_path):
     assert p.stdout == ""
 
 
+def test_ranks_whose_tokenizers_differ_are_refused_at_start(models, tmp_path):
+    """Two copies of one model, one with two tokens swapped in its tokenizer.json (another
+    revision): rank 1 says so at start and the job stops (exit 2), before any prompt."""
+    for side in ("a", "b"):
+        shutil.copytree(models["qwen2"], tmp_path / side / "m")
+    tokenizer = tmp_path / "b" / "m" / "tokenizer.json"
+    data = json.loads(tokenizer.read_text())
+    vocab = data["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    tokenizer.write_text(json.dumps(data))
+    hostfile = tmp_path / "rig.yaml"
+    hostfile.write_text("backend: ring\nhosts:\n" + "".join(
+        f"  - {{ssh: localhost, ips: [127.0.0.1], model_dir: {tmp_path / side}}}\n"
+        for side in ("a", "b")))  # fmt: skip
+    p = run_cli("launch", "--hostfile", hostfile, "--model", tmp_path / "a" / "m",
+                "--max-tokens", 8, PROMPT, timeout=120)  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert "error: rank 1 of 2 on localhost failed" in p.stderr
+    assert "this rank's tokenizer" in p.stderr and "(rank 1 differs)" in p.stderr
+    assert "mlx-cluster sync" in p.stderr and p.stdout == ""
+
+
 def start_long_job(model):
     """A job that generates far longer than the test waits."""
     return start_streaming("--model", model, "--max-tokens", 1000000, PROMPT)

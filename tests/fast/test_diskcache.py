@@ -153,6 +153,17 @@ def test_a_model_with_the_same_shapes_and_other_weights_has_another_key(model, t
     assert weights_fingerprint(path, store) == weights_fingerprint(path)  # remembered ...
     assert (store / "fingerprints.json").exists()
     assert weights_fingerprint(path, store) == weights_fingerprint(path)  # ... and read back
+    # a file replaced by one of the same size and mtime (cp -p, rsync -t) is read again
+    remembered = weights_fingerprint(edited, store)
+    st = shard.stat()
+    data[-3] ^= 0x01  # back to the original's bytes, in a new file with the old times
+    fresh = shard.with_suffix(".new")
+    fresh.write_bytes(bytes(data))
+    os.utime(fresh, ns=(st.st_atime_ns, st.st_mtime_ns))
+    fresh.replace(shard)
+    assert shard.stat().st_size == st.st_size and shard.stat().st_mtime_ns == st.st_mtime_ns
+    assert weights_fingerprint(edited, store) != remembered
+    assert weights_fingerprint(edited, store) == weights_fingerprint(edited)
 
 
 def test_store_layout_permissions_and_what_it_refuses(model, tmp_path):
