@@ -139,6 +139,11 @@ def check(grammar: str) -> None:
         raise GrammarError(verdict)
 
 
+# What one request's matcher may hold at most: llguidance's lexer states at ~2 KB each
+# (its own estimate is 1-2 KB), counted against the KV memory of the answers under way.
+MATCHER_BYTES = LIMITS["max_lexer_states"] * 2048
+
+
 class Compiling:
     """Every rank's matchers being built for the requests rank 0 announced (Order.compile),
     on a thread of their own, so that no rank compiles on its decode loop: rank 0 inserts a

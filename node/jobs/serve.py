@@ -193,9 +193,11 @@ def constrained(tokenizer, r: ServeRequest, tokens: list[int]) -> Grammar:
         raise Refusal(f"'{r.constraint.source if r.constraint else 'constraint'}': {e}") from None
 
 
-def needed(shared: SharedRequest) -> int:
-    """Tokens of KV cache a request may come to hold: its prompt and its answer."""
-    return len(shared.tokens) + shared.sampling.max_tokens
+def needed(shared: SharedRequest, grammar_tokens: int = 0) -> int:
+    """Tokens of KV cache a request may come to hold: its prompt and its answer, and with a
+    grammar what its matcher may hold at most, in tokens of KV (``grammar_tokens``)."""
+    extra = grammar_tokens if shared.grammar is not None else 0
+    return len(shared.tokens) + shared.sampling.max_tokens + extra
 
 
 def shared_size(shared: SharedRequest) -> int:
@@ -222,6 +224,7 @@ class Admission:
     context: int | None
     max_prompt_tokens: int | None
     kv_room: int | None = None  # tokens of KV the answers under way may hold (node.serve.kv_room)
+    grammar_tokens: int = 0  # a request's matcher at its most, in tokens of KV (kv_room)
 
     @classmethod
     def of(cls, config: dict, settings) -> Admission:
@@ -458,7 +461,7 @@ class Scheduler:
                 return Order(single=request, compile=order.compile, dropped=order.dropped)
             if insert and size + flight.size > ORDER_BYTES:
                 break  # the rest join at the next round: one order stays far under the limit
-            need = needed(request)
+            need = needed(request, self.admission.grammar_tokens)
             if room is not None and (live or insert) and self.reserved + tokens + need > room:
                 break  # it waits until answers under way end and leave memory for it
             size += flight.size
@@ -552,7 +555,8 @@ class Scheduler:
             assert uid is not None  # joined: a uid; failed: a reason
             self.in_batch[uid] = InBatch(flight, self.tokenizer.detokenizer, text,
                                    len(request.tokens), now, cached,
-                                   (from_disk or {}).get(uid, 0), need=needed(request))  # fmt: skip
+                                   (from_disk or {}).get(uid, 0),
+                                   need=needed(request, self.admission.grammar_tokens))  # fmt: skip
             self.reserved += self.in_batch[uid].need
         self.inserting = []
 
@@ -676,20 +680,23 @@ def kv_token_bytes(config: dict, cache: list, mode: str, world: int) -> int | No
     return layers * per_layer * itemsize
 
 
-def kv_room(loaded, spec: JobSpec, live_bytes: float, group) -> int | None:
+def kv_room(loaded, spec: JobSpec, live_bytes: float, group) -> tuple[int | None, int]:
     """Every rank at once: the tokens of KV cache the answers under way may hold on every
-    rank (the smallest room over the ranks); None when a rank cannot tell (its config does
-    not say), and then nothing is admitted by memory."""
+    rank (the smallest room over the ranks; None when a rank cannot tell, its config does
+    not say, and then nothing is admitted by memory), and what one request's grammar matcher
+    may hold (MATCHER_BYTES) in tokens of KV on the rank where that is most."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from node.jobs.diskcache import agree_min
+    from node.decode.grammar import MATCHER_BYTES
+    from node.rank.dist import gather_ints
 
     per_token = kv_token_bytes(
         loaded.config, make_prompt_cache(loaded.model), spec.mode, spec.world_size
     )
     room = int(min(live_bytes / per_token, 2**31 - 1)) if per_token else -1
-    room = agree_min(room, group)
-    return None if room < 0 else room
+    grammar = int(min(-(-MATCHER_BYTES // per_token), 2**31 - 1)) if per_token else 0
+    rooms, grammars = gather_ints(room, group), gather_ints(grammar, group)
+    return (None if min(rooms) < 0 else min(rooms)), max(grammars)
 
 
 def run_serve(job: Job) -> None:
@@ -720,7 +727,7 @@ def run_serve(job: Job) -> None:
     batched = batchable(loaded.model)
     vocab = Admission.of(loaded.config, options).vocab or loaded.tokenizer.vocab_size
     cache_bytes, live_bytes = cache_budget(agreed.cache_gb, memory_left(spec.ranks_on_host))
-    room = kv_room(loaded, spec, live_bytes, group)
+    room, grammar_tokens = kv_room(loaded, spec, live_bytes, group)
     if batched:
         log(f"serve: kept answers' caches take at most {cache_bytes / 1e9:.1f} GB on this rank")
     if room is not None and rank0:
@@ -750,7 +757,7 @@ def run_serve(job: Job) -> None:
     scheduler = None  # rank 0's; rank 0 alone decides what every rank does
     if rank0:
         admission = Admission.of(loaded.config, options)
-        admission.kv_room = room
+        admission.kv_room, admission.grammar_tokens = room, grammar_tokens
         scheduler = Scheduler(loaded.tokenizer, emit, batched, options.drain_timeout, admission,
                               rests=can_rest())  # fmt: skip
         scheduler.listen(launcher_input(), log)

@@ -225,3 +225,12 @@ def test_gbnf_is_taken_as_documented():
     assert "start" in text
     with pytest.raises(grammar.BadGrammar, match="GBNF"):
         grammar.lark('root ::= "a')
+
+
+def test_a_grammar_s_matcher_counts_against_the_memory_of_the_answers_under_way():
+    import node.jobs.serve as ns
+
+    plain = SharedRequest(Sampling(max_tokens=10), [1] * 10)
+    constrained = SharedRequest(Sampling(max_tokens=10), [1] * 10, Grammar("x"))
+    assert ns.needed(plain, 500) == 20 and ns.needed(constrained, 500) == 520
+    assert node_grammar.MATCHER_BYTES == grammar.LIMITS["max_lexer_states"] * 2048
