@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -174,3 +176,34 @@ def first_line(error: str) -> str:
     """llguidance's message on one line (a regex error draws its caret over several)."""
     lines = [x.strip() for x in error.strip().splitlines() if x.strip() and x.strip() != "^"]
     return " ".join(lines)[:500] if lines else "invalid"
+
+
+class Failures:
+    """Grammars whose answers failed lately (a limit, the time budget), by digest (hex): the
+    same grammar again within FORGET_S is refused where it is seen first (the launcher's
+    door; rank 0 as it prepares one the door could not know, a forced tool call's), before
+    any rank builds it or any step pays for it, so a client that resends it cannot keep the
+    batch slow. Rank 0 decides a failure; the launcher learns it from the Refused event."""
+
+    KEPT = 1024
+    FORGET_S = 600.0
+
+    def __init__(self) -> None:
+        self.seen: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def add(self, key: str, why: str) -> None:
+        with self.lock:
+            self.seen[key] = (why, time.monotonic())
+            self.seen.move_to_end(key)
+            while len(self.seen) > self.KEPT:
+                self.seen.popitem(last=False)
+
+    def why(self, key: str) -> str | None:
+        """Why a grammar of this digest is refused now (None: it is not)."""
+        with self.lock:
+            found = self.seen.get(key)
+        if found is None or time.monotonic() - found[1] >= self.FORGET_S:
+            return None
+        return (f"this grammar's answer failed {time.monotonic() - found[1]:.0f} s ago "
+                f"({found[0]}); it is refused for {self.FORGET_S:g} s after a failure")  # fmt: skip

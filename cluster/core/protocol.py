@@ -144,6 +144,7 @@ class Refused:
     request: str
     status: int
     message: str
+    grammar: str | None = None  # its grammar failed: that grammar's digest (Failures)
 
 
 @dataclass

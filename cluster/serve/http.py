@@ -411,6 +411,8 @@ class Handler(BaseHTTPRequestHandler):
             body = loads(self.read_body())
             self.reading.cancel()
             request = endpoint.parse(body, service.door)
+            if refusal := service.refused_grammar(request):
+                raise refusal
         except RequestError as e:
             service.metrics.finished(e.status)
             return self.error(e, endpoint)

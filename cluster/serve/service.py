@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from cluster.core.grammar import Failures, digest
 from cluster.core.hostfile import Hostfile
 from cluster.core.modelcheck import model_id
 from cluster.core.protocol import (
@@ -144,6 +145,7 @@ class Service:
         self.closed = False
         self.failures: list[Failure] = []
         self.links: MeasuredLinks | None = None  # the current ranks' (--measure-links)
+        self.bad_grammars = Failures()  # grammars whose answers failed lately: refused at the door
         self.failed_at: float | None = None
         self.served = False  # the ranks were ready once: a later failure is restarted
         self.url = ""
@@ -189,6 +191,15 @@ class Service:
 
     def submit(self, req: ApiRequest) -> None:
         self.post(self.take, req)
+
+    def refused_grammar(self, request) -> RequestError | None:
+        """A 400 for a request whose grammar's answer failed lately (any thread: Failures
+        holds its own lock); None otherwise."""
+        constraint = request.constraint
+        if constraint is None or constraint.grammar is None:
+            return None
+        why = self.bad_grammars.why(digest(constraint.grammar).hex())
+        return None if why is None else RequestError(400, f"'{constraint.source}': {why}")
 
     def cancel(self, req: ApiRequest) -> None:
         """The client went away: rank 0 drops its request at its next round."""
@@ -343,6 +354,8 @@ class Service:
                 self.answers.append(Answered.of(event, time.time()))
         elif isinstance(event, Refused):
             del self.inflight[req.id]
+            if event.grammar is not None:
+                self.bad_grammars.add(event.grammar, event.message)
             kind = "server_error" if event.status >= 500 else "invalid_request_error"
             self.refuse(req, RequestError(event.status, event.message, kind))
 

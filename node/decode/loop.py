@@ -54,6 +54,7 @@ def generate(
     on_prefill: Callable[[int, int], None] | None = None,
     first_logits: list | None = None,
     from_disk: int = 0,
+    made: list | None = None,
 ) -> Generated:
     """Decode ``request`` (identical on every rank); ``write`` gets text segments on rank 0.
 
@@ -65,11 +66,12 @@ def generate(
     (prompt tokens done, of) after each prefill chunk. With ``speculation`` (node.model.draft), its
     proposer drafts and the model verifies K+1 tokens per pass. ``first_logits`` (a list) gets
     the next-token logits after the prompt, as the first step sees them (``launch --logits``:
-    the prompt is prefilled once for both the logits and the text)."""
+    the prompt is prefilled once for both the logits and the text). ``made`` (a list) gets
+    the request's logits processors as they are made (serve times its grammar's)."""
     if request.grammar is not None:  # drafts are not checked against a grammar: decoded alone
         speculation = None
     watch = prefill_watch(group, cancelled, cancellable, on_prefill)
-    made: list = []  # the request's processors: did its grammar fail?
+    made = [] if made is None else made  # the request's processors (did its grammar fail?)
     try:
         answer = stream(
             token_stream(

@@ -26,11 +26,12 @@ import queue
 import secrets
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from cluster.core.grammar import Failures, digest
 from cluster.core.modelcheck import model_id
 from cluster.core.protocol import (
     END_OF_INPUT,
@@ -54,7 +55,7 @@ from cluster.core.spec import (
     from_dict,
     to_dict,
 )
-from node.decode.grammar import Budget, GrammarFailed, compiling
+from node.decode.grammar import Budget, Constrained, GrammarFailed, compiling
 from node.decode.loop import answer_stats
 from node.decode.parts import Parts, token_logprobs
 from node.decode.sampling import RequestFailed, seeded, tried
@@ -275,42 +276,6 @@ class Admission:
         return SharedRequest(seeded(sampling), tokens)
 
 
-class Failures:
-    """Grammars whose answers failed lately (a limit, the time budget), by digest: the same
-    grammar again within ``FORGET_S`` is refused as rank 0 prepares it (400, with the first
-    failure's reason), before any rank builds it or any step pays for it; a client that
-    resends it at once cannot keep the batch slow. Rank 0's alone: the ranks never learn of a
-    request it refuses."""
-
-    KEPT = 1024
-    FORGET_S = 600.0
-
-    def __init__(self) -> None:
-        self.seen: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
-        self.lock = threading.Lock()
-
-    def add(self, text: str, why: str) -> None:
-        from cluster.core.grammar import digest
-
-        with self.lock:
-            self.seen[digest(text)] = (why, time.monotonic())
-            self.seen.move_to_end(digest(text))
-            while len(self.seen) > self.KEPT:
-                self.seen.popitem(last=False)
-
-    def check(self, text: str, source: str | None) -> None:
-        """Refusal when this grammar failed within FORGET_S."""
-        from cluster.core.grammar import digest
-
-        with self.lock:
-            found = self.seen.get(digest(text))
-        if found is not None and time.monotonic() - found[1] < self.FORGET_S:
-            ago = time.monotonic() - found[1]
-            raise Refusal(f"'{source or 'grammar'}': this grammar's answer failed {ago:.0f} s "
-                          f"ago ({found[0]}); it is refused for {self.FORGET_S:g} s after a "
-                          "failure")  # fmt: skip
-
-
 @dataclass
 class InBatch:
     """Rank 0's view of one request in the batch."""
@@ -403,7 +368,8 @@ class Scheduler:
             shared = self.admission.request(tokens, r.sampling)
             if r.constraint is not None:
                 shared.grammar = constrained(self.tokenizer, r, tokens)
-                self.failures.check(shared.grammar.text, r.constraint.source)
+                if why := self.failures.why(digest(shared.grammar.text).hex()):
+                    raise Refusal(f"'{r.constraint.source or 'grammar'}': {why}")
             shared.cache_key = r.cache_key
             flight.shared, flight.size = shared, shared_size(shared)
         except Refusal as e:
@@ -570,9 +536,12 @@ class Scheduler:
     def grammar_failed(self, flight: Flight, why: str, text: str | None = None) -> None:
         constraint = flight.request.constraint
         source = constraint.source if constraint is not None and constraint.source else "grammar"
-        if text is not None:
-            self.failures.add(text, why)
-        self.emit(Refused(flight.request.id, 400, f"'{source}': the answer was ended: {why}"))
+        key = digest(text).hex() if text is not None else None
+        if key is not None:
+            self.failures.add(key, why)
+        self.emit(
+            Refused(flight.request.id, 400, f"'{source}': the answer was ended: {why}", grammar=key)
+        )
         log_line = f"serve: request {flight.request.id}: its grammar failed: {why}"
         self.inbox.log(log_line)
         self.inbox.ended(flight)
@@ -852,6 +821,23 @@ def decode_alone(
             scheduler.inserting = []
             scheduler.failed(flight, str(e))
         return
+    made: list = []  # the request's processors, as generate makes them
+    over: list[str] = []  # rank 0: why its grammar went over its budget
+    began = time.perf_counter()
+
+    def stop_now() -> bool:
+        """Rank 0: the client left, or the grammar is over its budget (the others learn it
+        as they learn any cancel: agreed every few tokens)."""
+        if flight is not None and flight.cancel.is_set():
+            return True
+        grammar = next((p for p in made if isinstance(p, Constrained)), None)
+        if scheduler is None or grammar is None or not grammar.steps or over:
+            return bool(over)
+        model_step = max(0.0, time.perf_counter() - began - grammar.spent) / grammar.steps
+        if why := scheduler.budget.over(grammar.spent, grammar.steps, model_step):
+            over.append(why)
+        return bool(over)
+
     on_prefill = None
     if flight is not None:
         rid = flight.request.id
@@ -867,22 +853,29 @@ def decode_alone(
             request,
             functools.partial(scheduler.piece, flight) if scheduler and flight else None,
             group,
-            cancelled=flight.cancel.is_set if flight is not None else None,
+            cancelled=stop_now if flight is not None else None,
             cancellable=True,
             on_response=(
                 functools.partial(scheduler.logprobs, flight) if scheduler and flight else None
             ),
             speculation=loaded.speculation,
             on_prefill=on_prefill,
+            made=made,
         )
     except GrammarFailed as e:  # on every rank alike, at the same token
         if scheduler is not None and flight is not None:
             scheduler.inserting = []
-            scheduler.grammar_failed(flight, str(e))
+            scheduler.grammar_failed(
+                flight, str(e), request.grammar.text if request.grammar else None
+            )
         return
     finally:
         if request.grammar is not None and request.grammar.ticket is not None:
             compiling.drop([request.grammar.ticket])
     if scheduler is not None and flight is not None:
         scheduler.inserting = []
-        scheduler.answered(flight, answer.stats)
+        if over:
+            text = request.grammar.text if request.grammar is not None else None
+            scheduler.grammar_failed(flight, over[0], text)
+        else:
+            scheduler.answered(flight, answer.stats)

@@ -203,3 +203,10 @@ def test_a_hostile_grammar_ends_alone_with_an_error_and_its_neighbour_is_untouch
         served.openai.completions.create(
             model=served.model_id, prompt="x", max_tokens=40,
             extra_body={"structured_outputs": hostile["structured_outputs"]})  # fmt: skip
+    # with a seed the request is decoded alone; its grammar is timed all the same
+    alone = 'start: y\ny: y y | y y y | "b" | "a" | "ba"\n'
+    with pytest.raises(openai.BadRequestError, match="the answer was ended"):
+        served.openai.completions.create(
+            model=served.model_id, prompt="x", max_tokens=400, temperature=1.0, seed=1,
+            logit_bias={str(eos): -100},
+            extra_body={"structured_outputs": {"grammar": alone}})  # fmt: skip

@@ -216,3 +216,24 @@ def test_a_request_under_way_past_its_deadline_gets_504_and_is_dropped_on_the_ra
     cancel = wait_sent(sent, 2)[-1]
     assert cancel == {"op": "cancel", "id": line["request"]["id"]}
     assert req.id not in svc.inflight
+
+
+def test_a_grammar_whose_answer_failed_is_refused_at_the_door_for_a_while():
+    """Rank 0 ends an answer whose grammar went over its budget with a Refused naming the
+    grammar's digest; the launcher then refuses that grammar before it reaches a rank."""
+    from cluster.core.grammar import digest, regex
+    from cluster.core.protocol import Refused
+
+    svc, sent = service()
+    start_job(svc, sent)
+    pattern = "(a|b)*a(a|b){20}"
+    req = request(stream=False, guided_regex=pattern)
+    assert svc.refused_grammar(req.request) is None
+    svc.submit(req)
+    (line,) = wait_sent(sent, 1)
+    key = digest(regex(pattern)).hex()
+    svc.on_event(0, Refused(line["request"]["id"], 400, "over its budget", grammar=key))
+    assert req.chunks.get_nowait().status == 400
+    again = svc.refused_grammar(request(stream=False, guided_regex=pattern).request)
+    assert again.status == 400 and "refused for 600 s after a failure" in str(again)
+    assert svc.refused_grammar(request(stream=False, guided_regex="(a|b)*").request) is None

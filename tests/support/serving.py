@@ -213,6 +213,9 @@ class StandIn:
     def cancel(self, req) -> None:
         self.cancelled.set()
 
+    def refused_grammar(self, request):
+        return None
+
     def health(self) -> dict:
         return {"status": "ok"}
 
