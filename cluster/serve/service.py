@@ -445,10 +445,12 @@ class Service:
     def reap(self, now: float) -> None:
         """Requests past the restart wait get 503 with Retry-After; requests under way past
         --request-timeout get 504 and are dropped on the ranks."""
-        for flight in [f for f in self.inflight.values() if not f.gone]:
+        for flight in list(self.inflight.values()):
             if now - flight.sent > self.settings.request_timeout:
                 req = flight.req
                 del self.inflight[req.id]
+                if flight.gone:  # its client left and rank 0 was told: nobody waits for it
+                    continue
                 self.write({"op": "cancel", "id": req.id})
                 why = (f"no complete answer within {self.settings.request_timeout:g} s "
                        "(serve --request-timeout); the ranks dropped it")  # fmt: skip

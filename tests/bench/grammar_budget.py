@@ -7,9 +7,12 @@ that takes seconds to compile joins.
 
 A 2-rank serve (pipeline, one BLAS thread per rank) of the embedded model, or --model. Each
 hostile request runs until the server ends it (its grammar's counts or its time budget:
-node.decode.grammar) and is sent again at once, so the client always has one beside it.
+node.decode.grammar) and is sent again at once (after an error, once --backoff passed), so
+the client has one beside it all along.
 Prints a markdown table: the client's tokens/s alone and beside (median [min-max] of --runs),
-the ratio of medians, and how the hostile requests ended.
+the ratio of medians, and how the hostile requests ended; then the worst token gap while a
+slow-to-build grammar joins, and how fast a 1 MiB body of escaped quotes is refused while
+/health answers.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from pathlib import Path
 from tests.support.serving import fresh_serve
 
 ROOT = Path(__file__).resolve().parents[2]
-HOSTILE = {
+HOSTILE: dict[str, dict | None] = {
     "(free text: a second stream's own cost)": None,
+    "(a 400 at the door each time: temperature -1)": {"temperature": -1},
     # the third review's: Earley items grow with every token
     "ambiguous Lark": {"grammar": 'start: x\nx: x x | x x x | "a" | "b" | "ab"\n'},
     "ambiguous, right-recursive": {"grammar": 'start: x\nx: "a" x | "b" x | "a" | "b" | x x\n'},
@@ -42,7 +46,12 @@ HOSTILE = {
         }  # fmt: skip
     },
 }
-BIG = "start: x\nx: " + " | ".join(f'"w{i}z"' for i in range(30_000)) + "\n"
+
+
+def big(run: int) -> str:
+    """A Lark grammar of 30,000 alternatives (~1 s to build), another for each run: a
+    grammar whose answer failed is refused for a while, and each run must build its own."""
+    return "start: x\nx: " + " | ".join(f'"w{i}z{run}"' for i in range(30_000)) + "\n"
 
 
 def post(port: int, body: dict, stream: bool = False):
@@ -84,8 +93,8 @@ def worst_gap(port: int, model: str, tokens: int, during=None) -> float:
 class Hostile:
     """Requests under one grammar, one after another until stopped; how each ended."""
 
-    def __init__(self, port: int, model: str, asked: dict | None):
-        self.port, self.model, self.asked = port, model, asked
+    def __init__(self, port: int, model: str, asked: dict | None, backoff: float):
+        self.port, self.model, self.asked, self.backoff = port, model, asked, backoff
         self.ends: Counter = Counter()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.loop, daemon=True)
@@ -93,7 +102,9 @@ class Hostile:
 
     def loop(self) -> None:
         body = {"model": self.model, "prompt": "x", "max_tokens": 1000, "temperature": 1.0}
-        if self.asked is not None:
+        if self.asked is not None and "temperature" in self.asked:
+            body.update(self.asked)
+        elif self.asked is not None:
             body["structured_outputs"] = self.asked
         while not self.stop.is_set():
             try:
@@ -102,6 +113,7 @@ class Hostile:
             except urllib.error.HTTPError as e:
                 message = json.loads(e.read())["error"]["message"]
                 self.ends[f"{e.code} {why(message)}"] += 1
+                self.stop.wait(self.backoff)  # a client retrying an error backs off
 
     def finish(self) -> Counter:
         self.stop.set()
@@ -117,10 +129,37 @@ def send(port: int, body: dict) -> None:
 
 
 def why(message: str) -> str:
-    for words in ("budget", "Too many items", "too many states", "max is"):
+    for words in ("budget", "Too many items", "too many states", "max is", "temperature"):
         if words in message:
             return words
     return message[:60]
+
+
+def body_refused(port: int) -> tuple[int, float, float]:
+    """The third review's 1 MiB body ('"' and '\\"' x 524,288, no closing quote: hours of a
+    backtracking scan before): its status, seconds to the answer, and /health's seconds
+    asked meanwhile."""
+    import http.client
+
+    evil = b'"' + b'\\"' * 524_288
+    health: list[float] = []
+
+    def ask_health() -> None:
+        tic = time.perf_counter()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        health.append(time.perf_counter() - tic)
+
+    asker = threading.Thread(target=ask_health)
+    tic = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", evil, {"Content-Type": "application/json"})
+    asker.start()
+    status = conn.getresponse().status
+    took = time.perf_counter() - tic
+    asker.join()
+    return status, took, health[0]
 
 
 def spread(xs: list[float]) -> str:
@@ -132,6 +171,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=ROOT / "node" / "default_model")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=120)
+    ap.add_argument("--backoff", type=float, default=0.5,
+                    help="seconds the hostile client waits after an error before it sends "
+                    "again (0: a flood)")  # fmt: skip
     args = ap.parse_args()
     name = args.model.name
     rows = []
@@ -140,7 +182,7 @@ def main() -> None:
             alone, beside = [], []
             for _ in range(args.runs):  # alternated: alone, then beside the hostile grammar
                 alone.append(client_tps(port, name, args.tokens))
-                hostile = Hostile(port, name, asked)
+                hostile = Hostile(port, name, asked, args.backoff)
                 time.sleep(0.3)  # the hostile request is under way before the client starts
                 beside.append(client_tps(port, name, args.tokens))
                 ends = hostile.finish()
@@ -148,18 +190,25 @@ def main() -> None:
             rows.append(f"| {label} | {spread(alone)} | {spread(beside)} | {ratio:.2f}x | "
                         f"{', '.join(f'{k}: {v}' for k, v in sorted(ends.items()))} |")  # fmt: skip
         gaps_alone = [worst_gap(port, name, args.tokens) for _ in range(args.runs)]
-        big = {"model": name, "prompt": "x", "max_tokens": 4,
-               "structured_outputs": {"grammar": BIG}}  # fmt: skip
-        gaps_big = [worst_gap(port, name, args.tokens, lambda: send(port, big))
-                    for _ in range(args.runs)]  # fmt: skip
+        gaps_big = []
+        for run in range(args.runs):
+            joining = {"model": name, "prompt": "x", "max_tokens": 4,
+                       "structured_outputs": {"grammar": big(run)}}  # fmt: skip
+            gaps_big.append(worst_gap(port, name, args.tokens,
+                                      lambda joining=joining: send(port, joining)))  # fmt: skip
+        refused = [body_refused(port) for _ in range(args.runs)]
     print(f"client: greedy completion of {args.tokens} tokens, tok/s, median [min-max] of "
-          f"{args.runs}\n")  # fmt: skip
+          f"{args.runs}; the hostile client waits {args.backoff:g} s after an error\n")  # fmt: skip
     print("| beside | alone | beside | ratio | the hostile requests ended |")
     print("|---|---|---|---|---|")
     print("\n".join(rows))
     print(f"\nworst gap between the client's streamed tokens (ms), median [min-max] of "
           f"{args.runs}: alone {spread([g * 1000 for g in gaps_alone])}, while a Lark grammar "
           f"of 30,000 alternatives joins {spread([g * 1000 for g in gaps_big])}")  # fmt: skip
+
+    print(f"\nthe 1 MiB body of escaped quotes: status {sorted({r[0] for r in refused})}, "
+          f"answered in {spread([r[1] * 1000 for r in refused])} ms; /health asked meanwhile "
+          f"answered in {spread([r[2] * 1000 for r in refused])} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -191,6 +191,12 @@ def hostile_requests(rng) -> list[tuple[str, bytes, dict]]:
     add({"input": [{"type": "computer_call"}]}, "/v1/responses")
     add({"prompt": ["a", "b"]}, "/v1/completions")
     add(chat, "/v1/nothing")
+    # the third review's: a 1 MiB body a backtracking scan took hours over, holding the GIL;
+    # bodies that raised past the door's checks (AttributeError, RecursionError)
+    add(b'"' + b'\\"' * 524_288)
+    add({**chat, "output_config": "x"}, "/v1/messages/count_tokens")
+    add({**chat, "guided_json": "[" * 100_000})
+    add({**chat, "structured_outputs": {"json": "[" * 100_000}})
     add(b"", "/v1/chat/completions", **{"Content-Length": "-1"})
     add(b"", "/v1/chat/completions", **{"Content-Length": str(100 << 20)})
     words = ["messages", "prompt", "input", "max_tokens", "temperature", "top_k", "stop",
