@@ -194,10 +194,12 @@ def chat(**values):
     "read_timeout",
     "allowed_hosts",
     "cors_origins",
+    "served_model_name",
     "drain_timeout",
     "max_restarts",
     "restart_window_s",
     "restart_wait",
+    "request_timeout",
 )
 def serve(**values):
     """Serve the model with OpenAI's and Anthropic's APIs until Ctrl-C; the API outlives the

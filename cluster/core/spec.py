@@ -290,6 +290,16 @@ class ServeSettings:
         commas=True,
         metavar="NAMES",
     )
+    served_model_name: list[str] = param(
+        help="Other model names the served model answers to (repeat it, or comma-separate; "
+        "globs: 'claude-*', 'gpt-*'): agents that send their own model names (Claude Code's "
+        "side requests, tools that default to gpt-*) then need no override. Any other name "
+        "gets 404 naming what is served.",
+        default_factory=list,
+        multiple=True,
+        commas=True,
+        metavar="NAMES",
+    )
     cors_origins: list[str] = param(
         help="Browser origins (e.g. http://localhost:3000; repeat "
         "it or comma-separate; '*' for any) that may call the API "

@@ -126,7 +126,10 @@ class Service:
         self.spec = spec
         self.settings = spec.serve
         self.door = Door(
-            frozenset({self.model_id, spec.model}), spec.serve.max_tokens_cap, self.model_id
+            frozenset({self.model_id, spec.model}),
+            spec.serve.max_tokens_cap,
+            self.model_id,
+            tuple(spec.serve.served_model_name),
         )
         self.private = private_paths(spec.model, self.model_id)
         self.stderr = stderr

@@ -56,7 +56,10 @@ def agent_model(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["pipeline", "tensor"])
 def served(request, agent_model):
-    server = Served(agent_model, "--mode", request.param)
+    # Claude Code asks for max_tokens 128000 under its own model names: rank 0 lowers it to
+    # what the context leaves, once the cap lets it through
+    server = Served(agent_model, "--mode", request.param, "--served-model-name", "claude-*",
+                    "--max-tokens-cap", "128000")  # fmt: skip
     yield server
     health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health").read())
     assert health["restarts"] == 0, health
@@ -69,12 +72,18 @@ def no_stray_ranks():  # the server's ranks live for the module; checked when it
     yield
 
 
-def claude(served, tmp_path, *args: str) -> dict:
+def claude(served, tmp_path, *args: str, model: str | None = "am") -> dict:
+    """Claude Code, headless, against ``served``; ``model`` None: its own model names (the
+    server answers to claude-*)."""
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
     url = f"http://127.0.0.1:{served.port}"
     env = {**os.environ, **QUIET, "HOME": str(home), "ANTHROPIC_API_KEY": "none",
-           "ANTHROPIC_BASE_URL": url, "ANTHROPIC_MODEL": "am"}  # fmt: skip
+           "ANTHROPIC_BASE_URL": url}  # fmt: skip
+    for name in ("ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL"):
+        env.pop(name, None)
+    if model is not None:
+        env["ANTHROPIC_MODEL"] = model
     p = subprocess.run([agent("claude"), "-p", *args, "--output-format", "json"],
                        capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=300)  # fmt: skip
@@ -107,6 +116,14 @@ def codex(served, tmp_path, prompt: str) -> str:
 def test_claude_code_answers_a_one_shot_prompt(served, tmp_path):
     result = claude(served, tmp_path, QUESTION)
     assert result["result"] == ANSWER and result["num_turns"] == 1, result
+
+
+def test_claude_code_with_its_own_model_names_is_answered_by_the_served_model(served, tmp_path):
+    """No ANTHROPIC_MODEL, no ANTHROPIC_SMALL_FAST_MODEL: Claude Code asks for claude-*
+    names, which serve --served-model-name 'claude-*' answers with the served model."""
+    result = claude(served, tmp_path, QUESTION, model=None)
+    assert result["result"] == ANSWER and result["num_turns"] == 1, result
+    assert any(name.startswith("claude-") for name in result.get("modelUsage", {})), result
 
 
 def test_claude_code_runs_the_tool_the_model_calls_and_answers_from_it(served, tmp_path):

@@ -446,3 +446,13 @@ def test_the_third_review_s_bodies_are_4xx_not_dropped_connections():
     assert parse(ChatCompletions, guided_json=schema).constraint is not None  # text is a schema
     counted = CountTokens().parse({**CHAT, "output_config": {"effort": "low"}}, DOOR)
     assert counted.kind == "count" and counted.constraint is None
+
+
+def test_served_model_names_answer_other_names_and_globs():
+    door = Door(frozenset({"m"}), 1000, "m", ("claude-*", "gpt-4o"))
+    for name in ("m", "claude-sonnet-4-5", "claude-3-5-haiku-latest", "gpt-4o"):
+        assert ChatCompletions().parse({**CHAT, "model": name}, door).kind == "chat"
+    with pytest.raises(RequestError) as e:
+        ChatCompletions().parse({**CHAT, "model": "gpt-4o-mini"}, door)
+    assert e.value.status == 404 and "answers to claude-*, gpt-4o" in str(e.value)
+    assert "--served-model-name" in str(refusal(ChatCompletions, model="x"))

@@ -16,6 +16,7 @@ non-streaming request that its answer so far is void and will be decoded again.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import queue
 import re
@@ -155,6 +156,10 @@ class Door:
     model_ids: frozenset[str]
     max_tokens_cap: int = MAX_TOKENS_CAP
     shown: str = ""
+    aliases: tuple[str, ...] = ()  # other names the served model answers to (globs: claude-*)
+
+    def serves(self, model: str) -> bool:
+        return model in self.model_ids or any(fnmatch.fnmatchcase(model, a) for a in self.aliases)
 
 
 RANGES = ranges(Sampling)  # our Sampling field -> the values a request may give it
@@ -259,12 +264,14 @@ def check_model(body: dict, door: Door) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(400, "'model' must be a string")
-    if model is not None and model not in door.model_ids:
+    if model is not None and not door.serves(model):
         served = door.shown or ", ".join(sorted(door.model_ids))
+        also = f", and answers to {', '.join(door.aliases)}" if door.aliases else ""
         raise RequestError(
             404,
-            f"model {model[:200]!r} is not served here (this server serves {served!r}); "
-            "GET /v1/models lists it",
+            f"model {model[:200]!r} is not served here (this server serves {served!r}{also}); "
+            "GET /v1/models lists it; serve --served-model-name NAME (globs: 'claude-*') "
+            "answers other names",
             "not_found_error",
         )
 
