@@ -456,3 +456,19 @@ def test_served_model_names_answer_other_names_and_globs():
         ChatCompletions().parse({**CHAT, "model": "gpt-4o-mini"}, door)
     assert e.value.status == 404 and "answers to claude-*, gpt-4o" in str(e.value)
     assert "--served-model-name" in str(refusal(ChatCompletions, model="x"))
+
+
+def test_errors_name_their_field_as_openai_s_param():
+    from cluster.serve.api.shared import error_body
+
+    cases = {
+        (ChatCompletions, "temperature"): {"temperature": -1},
+        (ChatCompletions, "stop"): {"stop": ["x"] * 17},
+        (ChatCompletions, "model"): {"model": "other"},
+        (Responses, "max_output_tokens"): {"max_output_tokens": 0},
+        (ChatCompletions, "structured_outputs.json"): {"structured_outputs": {"json": "["}},
+    }
+    for (endpoint, field), extra in cases.items():
+        e = refusal(endpoint, **extra)
+        assert error_body(e)["error"]["param"] == field, (field, str(e))
+    assert error_body(RequestError(400, "the body is not valid JSON"))["error"]["param"] is None

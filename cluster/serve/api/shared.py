@@ -46,7 +46,9 @@ RESTART = object()  # the ranks restarted: a non-streaming answer starts again
 
 class RequestError(ValueError):
     """A request the API refuses: HTTP status, error type (OpenAI's names; each dialect maps
-    them to its own) and message."""
+    them to its own), message, and the field at fault (``param``: OpenAI's ``error.param``;
+    by default the field the message starts with, ``'top_k' must be ...`` or
+    ``output_config: ...``)."""
 
     def __init__(
         self,
@@ -54,9 +56,20 @@ class RequestError(ValueError):
         message: str,
         kind: str = "invalid_request_error",
         retry_after: int | None = None,
+        param: str | None = None,
     ):
         super().__init__(message)
         self.status, self.kind, self.retry_after = status, kind, retry_after
+        self.param = param if param is not None else named_field(message)
+
+
+FIELD_FIRST = re.compile(r"^'([A-Za-z_][\w.\[\]-]*)'|^([a-z_][\w.\[\]]*): ")
+
+
+def named_field(message: str) -> str | None:
+    """The request field a refusal names first (None when it names none)."""
+    m = FIELD_FIRST.match(message)
+    return (m[1] or m[2]) if m else None
 
 
 SSE = tuple[str | None, dict]  # (event name or None, payload): one server-sent event
@@ -273,6 +286,7 @@ def check_model(body: dict, door: Door) -> None:
             "GET /v1/models lists it; serve --served-model-name NAME (globs: 'claude-*') "
             "answers other names",
             "not_found_error",
+            param="model",
         )
 
 
@@ -431,4 +445,4 @@ def assistant_calls(calls: list[tuple[str | None, str, Any]], where: str = "tool
 def error_body(e: RequestError) -> dict:
     """OpenAI's error shape (chat completions, completions, Responses, and the shared
     routes)."""
-    return {"error": {"message": str(e), "type": e.kind, "param": None, "code": None}}
+    return {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": None}}
