@@ -136,6 +136,18 @@ class Counted:
 
 
 @dataclass
+class Admitted:
+    """Serve: a request joined the ranks' batch (or began alone): its prompt's tokens, and
+    how many of them came from the prompt cache. An Anthropic stream's message_start reports
+    them, as Anthropic's does, before the first token."""
+
+    kind = "admitted"
+    request: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
 class Refused:
     """Serve: a request rank 0 cannot take (found with the tokenizer: a template that does not
     render, an empty prompt); the API answers it with this status."""
@@ -248,6 +260,7 @@ Event = (
     | Piece
     | ToolCall
     | Counted
+    | Admitted
     | Refused
     | Memory
     | Notice
@@ -263,8 +276,8 @@ EVENTS: dict[str, type] = {cls.kind: cls for cls in typing.get_args(Event)}
 # What only rank 0 says: the answers' text and ends, the serve and chat loop's own events.
 # The same from another rank is that rank's fault (a Wake from rank k would write WAKE into
 # rank 0's request channel, and the launcher would take its Pieces as an answer's).
-RANK0_ONLY = (Piece, ToolCall, Counted, Refused, Serving, Wake, Stats, Prefill, FirstToken,
-              AwaitingInput, BenchRun, LinkReport)  # fmt: skip
+RANK0_ONLY = (Piece, ToolCall, Counted, Admitted, Refused, Serving, Wake, Stats, Prefill,
+              FirstToken, AwaitingInput, BenchRun, LinkReport)  # fmt: skip
 
 
 class BadEvent(ValueError):

@@ -34,6 +34,7 @@ from cluster.core.hostfile import Hostfile
 from cluster.core.modelcheck import model_id
 from cluster.core.protocol import (
     END_OF_INPUT,
+    Admitted,
     Counted,
     Event,
     LinkReport,
@@ -336,6 +337,8 @@ class Service:
         req = flight.req
         if isinstance(event, Prefill):
             flight.prefill = (event.done, event.total)
+        elif isinstance(event, Admitted):
+            req.admitted = (event.prompt_tokens, event.cached_tokens)
         elif isinstance(event, (Piece, ToolCall)):
             if not flight.shown:
                 self.metrics.ttft.observe(now - req.arrived)

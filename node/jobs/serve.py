@@ -35,6 +35,7 @@ from cluster.core.grammar import Failures, digest
 from cluster.core.modelcheck import model_id
 from cluster.core.protocol import (
     END_OF_INPUT,
+    Admitted,
     Counted,
     Memory,
     Notice,
@@ -524,6 +525,7 @@ class Scheduler:
                                    (from_disk or {}).get(uid, 0),
                                    need=needed(request, self.admission.grammar_tokens))  # fmt: skip
             self.reserved += self.in_batch[uid].need
+            self.emit(Admitted(flight.request.id, len(request.tokens), cached))
         self.inserting = []
 
     def prefill_progress(self, prefilling: dict[int, tuple[int, int]]) -> None:
@@ -841,6 +843,7 @@ def decode_alone(
     on_prefill = None
     if flight is not None:
         rid = flight.request.id
+        emit(Admitted(rid, len(request.tokens)))
 
         def on_prefill(done: int, total: int) -> None:
             if done:

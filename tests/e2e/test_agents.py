@@ -224,9 +224,15 @@ def messages_loop(client, model: str, city: str, stream: bool) -> tuple:
         with client.messages.stream(
             model=model, max_tokens=100, messages=messages, tools=[ANTHROPIC_TOOL]
         ) as s:
-            kinds = [event.type for event in s]
+            events = list(s)
+            kinds = [event.type for event in events]
             assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
-            return s.get_final_message()
+            final = s.get_final_message()
+            start = events[0].message.usage  # the prompt's counts, before the first token
+            assert start.input_tokens > 0 and start.output_tokens == 0, start
+            counted = (final.usage.input_tokens, final.usage.cache_read_input_tokens)
+            assert (start.input_tokens, start.cache_read_input_tokens) == counted, start
+            return final
 
     first = ask()
     use = first.content[-1]

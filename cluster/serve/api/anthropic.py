@@ -362,10 +362,14 @@ class MessageStream:
         self.open: str | None = None  # "thinking" or "text" while such a block is open
 
     def start(self):
-        yield (
-            "message_start",
-            {"type": "message_start", "message": message_body(self.req, [], None)},
-        )
+        """message_start, with the prompt's token counts as Anthropic's stream has them there
+        (rank 0 said them as the request joined: before its first token)."""
+        message = message_body(self.req, [], None)
+        if self.req.admitted is not None:
+            prompt, cached = self.req.admitted
+            message["usage"] = {**message["usage"], "input_tokens": prompt - cached,
+                                "cache_read_input_tokens": cached}  # fmt: skip
+        yield "message_start", {"type": "message_start", "message": message}
 
     def opened(self, kind: str):
         if self.open == kind:

@@ -147,6 +147,7 @@ class ApiRequest:
     result: dict | None = None  # the answer's stats, set before END
     status: int | None = None  # how it ended, for /metrics (None while under way)
     failures_seen: int = 0  # failures of the ranks while rank 0 held it
+    admitted: tuple[int, int] | None = None  # (prompt tokens, from the cache) once it joined
 
     def to_rank0(self) -> ServeRequest:
         return dataclasses.replace(self.request, id=self.id)
