@@ -139,20 +139,27 @@ def choice(options: Any) -> str:
 
 def checked(grammar: str) -> str:
     """``grammar`` once llguidance compiles it without a tokenizer; BadGrammar naming the
-    first error otherwise. Each verdict is kept by the text's digest (an agent sends the same
-    schema every turn), never the text: the cache is a few KB whatever the grammars."""
+    first error otherwise."""
+    if why := verdict(grammar, None, VERDICTS):
+        raise BadGrammar(why)
+    return grammar
+
+
+def verdict(grammar: str, tokenizer, verdicts: OrderedDict[bytes, str]) -> str:
+    """Why llguidance cannot compile ``grammar`` (against ``tokenizer``, an LLTokenizer, or
+    none), "" when it can. Each verdict is kept in ``verdicts`` by the text's digest (an
+    agent sends the same schema every turn), never the text nor a matcher: the cache is a few
+    KB whatever the grammars. The launcher's door and rank 0's prepare each keep one."""
     import llguidance
 
     key = digest(grammar)
-    verdict = VERDICTS.get(key)
-    if verdict is None:
+    why = verdicts.get(key)
+    if why is None:
         limits = llguidance.LLParserLimits(**LIMITS)
-        error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits)
-        verdict = first_line(error) if error and not error.startswith("WARNING") else ""
-    remember(VERDICTS, key, verdict)
-    if verdict:
-        raise BadGrammar(verdict)
-    return grammar
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
+        why = first_line(error) if error and not error.startswith("WARNING") else ""
+    remember(verdicts, key, why)
+    return why
 
 
 VERDICTS_KEPT = 1024
@@ -173,7 +180,9 @@ def remember(verdicts: OrderedDict[bytes, str], key: bytes, verdict: str) -> Non
 
 
 def first_line(error: str) -> str:
-    """llguidance's message on one line (a regex error draws its caret over several)."""
+    """llguidance's message on one line (a regex error draws its caret over several; a
+    matcher's error is followed by a dump of its state, left out)."""
+    error = error.split("<state>")[0]
     lines = [x.strip() for x in error.strip().splitlines() if x.strip() and x.strip() != "^"]
     return " ".join(lines)[:500] if lines else "invalid"
 

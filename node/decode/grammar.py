@@ -47,8 +47,8 @@ import numpy as np
 from cluster.core.grammar import (  # one set for the launcher and ranks
     JSON_OPTIONS,
     LIMITS,
-    digest,
-    remember,
+    first_line,
+    verdict,
 )
 from cluster.core.spec import Grammar
 from node.rank.numbers import host_ints
@@ -116,27 +116,14 @@ def fresh(grammar: str):
     return matcher
 
 
-def first_line(error: str) -> str:
-    return (error.strip().splitlines() or ["invalid"])[0][:500]
-
-
 VERDICTS: OrderedDict[bytes, str] = OrderedDict()  # digest -> "" or why (rank 0's checks)
 
 
 def check(grammar: str) -> None:
     """Rank 0, off the decode loop: the grammar compiles for this model (GrammarError). The
     verdict is kept by the text's digest; no matcher is kept."""
-    import llguidance
-
-    key = digest(grammar)
-    verdict = VERDICTS.get(key)
-    if verdict is None:
-        error = llguidance.LLMatcher.validate_grammar(grammar, tokens().tokenizer,
-                                                      limits=limits())  # fmt: skip
-        verdict = first_line(error) if error and not error.startswith("WARNING") else ""
-    remember(VERDICTS, key, verdict)
-    if verdict:
-        raise GrammarError(verdict)
+    if why := verdict(grammar, tokens().tokenizer, VERDICTS):
+        raise GrammarError(why)
 
 
 # What one request's matcher may hold at most: llguidance's lexer states at ~2 KB each
