@@ -188,6 +188,7 @@ def chat(**values):
     "prompt_cache_size",
     "prompt_cache_gb",
     "max_tokens_cap",
+    "default_max_tokens",
     "max_prompt_tokens",
     "max_body_mb",
     "max_connections",

@@ -247,9 +247,18 @@ class ServeSettings:
     max_tokens_cap: int = param(
         32768,
         Range(1, integer=True),
-        "The most max_tokens a request "
-        "may ask (more: 400). Rank 0 also lowers a request's max_tokens "
-        "to what the model's context leaves after its prompt.",
+        "The most tokens one answer may have: a request's max_tokens above it is lowered to "
+        "it (finish_reason 'length' if the answer reaches it). Rank 0 also lowers max_tokens "
+        "to what the model's context leaves after the prompt, and reserves KV memory for "
+        "prompt + max_tokens while the answer runs.",
+    )
+    default_max_tokens: int | None = param(
+        None,
+        Range(1, integer=True),
+        "max_tokens of a request that sends none. Default: what the model's context leaves "
+        "after its prompt, up to --max-tokens-cap (as OpenAI and vLLM do); less lets more "
+        "such requests share the KV memory at once.",
+        show_default=False,
     )
     max_prompt_tokens: int | None = param(
         None,

@@ -131,6 +131,7 @@ class Service:
             spec.serve.max_tokens_cap,
             self.model_id,
             tuple(spec.serve.served_model_name),
+            spec.serve.default_max_tokens,
         )
         self.private = private_paths(spec.model, self.model_id)
         self.stderr = stderr

@@ -56,10 +56,9 @@ def agent_model(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["pipeline", "tensor"])
 def served(request, agent_model):
-    # Claude Code asks for max_tokens 128000 under its own model names: rank 0 lowers it to
-    # what the context leaves, once the cap lets it through
-    server = Served(agent_model, "--mode", request.param, "--served-model-name", "claude-*",
-                    "--max-tokens-cap", "128000")  # fmt: skip
+    # Claude Code asks for max_tokens 128000 under its own model names: the door lowers it
+    # to --max-tokens-cap, rank 0 to what the context leaves
+    server = Served(agent_model, "--mode", request.param, "--served-model-name", "claude-*")
     yield server
     health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health").read())
     assert health["restarts"] == 0, health

@@ -7,6 +7,7 @@ what is wrong, or a request that travels to rank 0, never an exception."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -80,11 +81,34 @@ def test_every_setting_out_of_its_range_is_a_400_naming_field_and_range(endpoint
         parse(endpoint, **{name: low if not RANGES[ours].integer else int(low)})
 
 
+def test_max_tokens_default_is_the_context_left_under_the_cap():
+    """Absent, max_tokens is the cap (rank 0 lowers it to what the context leaves after the
+    prompt: Admission), or --default-max-tokens; above the cap it is lowered, not refused
+    (Claude Code asks 128000). Anthropic's Messages requires it, as Anthropic's API does."""
+    for endpoint, name in [(ChatCompletions, "max_tokens"), (ChatCompletions,
+                           "max_completion_tokens"), (Completions, "max_tokens"),
+                           (Responses, "max_output_tokens"), (Messages, "max_tokens")]:  # fmt: skip
+        assert parse(endpoint, **{name: 128000}).sampling.max_tokens == 1000, (endpoint, name)
+        assert parse(endpoint, **{name: 7}).sampling.max_tokens == 7
+    fewer = dataclasses.replace(DOOR, default_max_tokens=64)
+    for endpoint, name in [(ChatCompletions, "max_tokens"), (Completions, "max_tokens"),
+                           (Responses, "max_output_tokens")]:  # fmt: skip
+        assert parse(endpoint).sampling.max_tokens == 1000
+        assert endpoint().parse(BODIES[endpoint], fewer).sampling.max_tokens == 64
+        asked = {**BODIES[endpoint], name: 100}
+        assert endpoint().parse(asked, fewer).sampling.max_tokens == 100
+    assert "max_tokens: Field required" in str(refusal(Messages, max_tokens=None))
+    from node.jobs.serve import Admission
+
+    shared = Admission(vocab=None, context=300, max_prompt_tokens=None).request(
+        list(range(200)), parse(ChatCompletions).sampling
+    )
+    assert shared.sampling.max_tokens == 100  # what the context leaves
+
+
 def test_other_fields_are_bounded_too():
-    assert "at most 1000 (serve --max-tokens-cap)" in str(refusal(ChatCompletions, max_tokens=1001))
     assert "max_output_tokens" in str(refusal(Responses, max_output_tokens=0))
     assert parse(Messages, max_tokens=1000).sampling.max_tokens == 1000
-    assert parse(Completions).sampling.max_tokens == 512  # the default, under the cap
     assert "'stop' has 17 items; at most 16" in str(refusal(ChatCompletions, stop=["x"] * 17))
     assert "at most 1000 characters" in str(refusal(Messages, stop_sequences=["x" * 1001]))
     assert "'messages' has 10001 items" in str(

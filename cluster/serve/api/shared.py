@@ -30,7 +30,6 @@ from cluster.core.params import Range, ranges
 from cluster.core.protocol import Piece, ToolCall
 from cluster.core.spec import Sampling, ServeRequest, normalized
 
-DEFAULT_MAX_TOKENS = 512
 MAX_TOKENS_CAP = 32768  # serve's --max-tokens-cap default
 MAX_STOPS = 16  # stop strings per request
 MAX_STOP_CHARS = 1000  # characters per stop string
@@ -171,6 +170,15 @@ class Door:
     max_tokens_cap: int = MAX_TOKENS_CAP
     shown: str = ""
     aliases: tuple[str, ...] = ()  # other names the served model answers to (globs: claude-*)
+    default_max_tokens: int | None = None  # serve --default-max-tokens (None: the context's)
+
+    def answer_tokens(self, asked: int | None) -> int:
+        """max_tokens as rank 0 gets it: what the client asked, lowered to the cap; without
+        one, --default-max-tokens or the cap, which rank 0 lowers to what the model's context
+        leaves after the prompt (OpenAI's and vLLM's default: the rest of the context)."""
+        if asked is None:
+            asked = self.default_max_tokens or self.max_tokens_cap
+        return min(asked, self.max_tokens_cap)
 
     def serves(self, model: str) -> bool:
         return model in self.model_ids or any(fnmatch.fnmatchcase(model, a) for a in self.aliases)
@@ -307,20 +315,16 @@ def number(body: dict, name: str, types: tuple = (int, float)) -> Any:
 
 
 def max_tokens(body: dict, door: Door, *names: str) -> int | None:
-    """The first of ``names`` present: an integer from 1 to the server's cap (None if none
-    is). Rank 0 lowers it further to what the model's context leaves after the prompt."""
+    """The first of ``names`` present, a positive integer (None if none is). Above the
+    server's cap it is lowered to it, not refused: agents ask the most their own vendor's
+    model allows (Claude Code 128000) and want an answer, which ends with finish_reason
+    'length' if it reaches the cap, as it would at the context's end."""
     for name in names:
         value = body.get(name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise RequestError(400, f"'{name}' must be a positive integer")
-        if value > door.max_tokens_cap:
-            raise RequestError(
-                400,
-                f"'{name}' is {value}; this server allows at most {door.max_tokens_cap} "
-                "(serve --max-tokens-cap)",
-            )
         return value
     return None
 
@@ -386,7 +390,7 @@ def sampling(body: dict, fields: dict[str, str], door: Door, max_tokens: int | N
         chosen[ours] = value
     return normalized(
         Sampling(
-            max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, door.max_tokens_cap),
+            max_tokens=door.answer_tokens(max_tokens),
             stop=stop,
             logit_bias=bias,
             **chosen,
