@@ -201,6 +201,8 @@ def chat(**values):
     "restart_window_s",
     "restart_wait",
     "request_timeout",
+    "responses_store_mb",
+    "responses_store_hours",
 )
 def serve(**values):
     """Serve the model with OpenAI's and Anthropic's APIs until Ctrl-C; the API outlives the

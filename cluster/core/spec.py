@@ -78,7 +78,7 @@ class Sampling:
         "Subtract this from the logits of tokens generated lately "
         "(OpenAI's presence_penalty); the prompt is not penalised.",
         api="presence_penalty",
-        dialects=(OPENAI,),
+        dialects=(OPENAI, RESPONSES),
         show_default=False,
     )
     frequency_penalty: float | None = param(
@@ -87,7 +87,7 @@ class Sampling:
         "Subtract this times a token's count among those generated lately "
         "(OpenAI's frequency_penalty); the prompt is not penalised.",
         api="frequency_penalty",
-        dialects=(OPENAI,),
+        dialects=(OPENAI, RESPONSES),
         show_default=False,
     )
     repetition_context_size: int = param(
@@ -221,6 +221,18 @@ class ServeSettings:
         "Longest a request may be under way (s), from the ranks taking it to its last "
         "token; past it the client gets 504 and the ranks drop it, so no client waits "
         "forever on an answer that cannot come.",
+    )
+    responses_store_mb: float = param(
+        256.0,
+        Range(0),
+        "Memory (MB) for the Responses API's stored responses (store: true, the API's "
+        "default): previous_response_id continues their conversations, GET /v1/responses/ID "
+        "reads them. Least recently used go first; kept in this process only. 0: none kept.",
+    )
+    responses_store_hours: float = param(
+        24.0,
+        Range(0, low_open=True),
+        "Hours a stored response is kept after its conversation was last continued or read.",
     )
     decode_concurrency: int = param(
         32,

@@ -1,7 +1,8 @@
 """`serve`'s HTTP server, in the launcher's process: it stays up while the ranks restart
 (cluster/serve/service.py runs them and routes each request to rank 0 and back). Its routes are the
 endpoints of cluster/serve/api/ (openai.py, responses.py, anthropic.py); GET /v1/models,
-/health and /metrics are its own.
+/health and /metrics are its own, and GET / DELETE /v1/responses/{id} read the Responses
+API's store (cluster/serve/api/stored.py).
 
 What a client sends is bounded here before anything else sees it: the Host header must name
 this server and a browser's Origin must be this server's own (or ``--cors-origins``), so that
@@ -48,6 +49,7 @@ from cluster.serve.api.shared import (
     error_body,
     loads,
 )
+from cluster.serve.api.stored import ResponseStore
 
 POLL_S = 0.5  # how often a waiting request looks whether its client is still there
 SSE_KEEPALIVE_S = 10.0  # a stream with nothing to send yet (a long prefill) says so this often
@@ -76,6 +78,7 @@ class Api:
         allowed_hosts: Iterable[str] = (),
         cors_origins: Iterable[str] = (),
         log=None,
+        responses: ResponseStore | None = None,
     ):
         self.log = log or (lambda line: print(f"mlx-cluster: {line}", file=sys.stderr))
         self.keepalive_s = keepalive_s
@@ -88,7 +91,7 @@ class Api:
         self.routes: dict[str, Endpoint] = {
             "/v1/chat/completions": ChatCompletions(),
             "/v1/completions": Completions(),
-            "/v1/responses": Responses(),
+            "/v1/responses": Responses(responses or ResponseStore(64 << 20, 3600.0)),
             "/v1/messages": Messages(),
             "/v1/messages/count_tokens": CountTokens(),
         }
@@ -151,6 +154,39 @@ class Api:
         if "*" in self.origins or origin in self.origins:
             return True
         return host is not None and origin in (f"http://{host.lower()}", f"https://{host.lower()}")
+
+
+def not_kept(rid: str) -> RequestError:
+    return RequestError(404, f"no response {rid[:100]!r} is kept here (made with store false, "
+                             "deleted, or dropped: serve --responses-store-mb, "
+                             "--responses-store-hours)", "not_found_error")  # fmt: skip
+
+
+def query(path: str) -> dict[str, str]:
+    from urllib.parse import parse_qsl
+
+    return dict(parse_qsl(path.partition("?")[2])[:20])
+
+
+def page_of(items: list[dict], args: dict[str, str]) -> dict:
+    """A list object of ``items`` as OpenAI pages them: ``order`` asc or desc (the
+    default), at most ``limit`` (1-100, 20) after the item ``after``."""
+    order = args.get("order", "desc")
+    limit = args.get("limit", "20")
+    if order not in ("asc", "desc"):
+        raise RequestError(400, "'order' must be asc or desc")
+    if not ascii_digits(limit) or not 1 <= int(limit) <= 100:
+        raise RequestError(400, "'limit' must be an integer from 1 to 100")
+    ordered = items if order == "asc" else items[::-1]
+    if "after" in args:
+        ids = [item.get("id") for item in ordered]
+        if args["after"] not in ids:
+            raise RequestError(400, f"'after': no item {args['after'][:100]!r} in this list")
+        ordered = ordered[ids.index(args["after"]) + 1 :]
+    data = ordered[: int(limit)]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": len(ordered) > len(data)}  # fmt: skip
 
 
 def own_names(bound: str) -> set[str]:
@@ -354,15 +390,28 @@ class Handler(BaseHTTPRequestHandler):
     def do_OPTIONS(self):
         self.guarded(self.options)
 
-    def get(self):
+    def do_DELETE(self):
+        self.guarded(self.delete)
+
+    def bodiless(self, pages: bool = False) -> str | None:
+        """A GET's or DELETE's path once its host, origin and key pass (None: refused, and
+        answered). ``pages``: the page's own files load without the key."""
         self.discard_body()
         self.reading.cancel()
         path = self.path.split("?")[0].rstrip("/")
         if not self.api.host_allowed(self.headers):
-            return self.refuse_host()
-        if path == "" or path.startswith("/page/"):  # the page loads without the key
-            return self.page(path.removeprefix("/page/") or "index.html")
+            self.refuse_host()
+            return None
+        if pages and (path == "" or path.startswith("/page/")):
+            self.page(path.removeprefix("/page/") or "index.html")
+            return None
         if not self.origin_ok(None) or not self.authorized(None):
+            return None
+        return path
+
+    def get(self):
+        path = self.bodiless(pages=True)
+        if path is None:
             return
         service = self.service
         if path == "/v1/cluster":
@@ -386,8 +435,44 @@ class Handler(BaseHTTPRequestHandler):
             self.reply(200 if ok else 503, health)
         elif path == "/metrics":
             self.send_bytes(200, service.metrics.exposition(), service.metrics.content_type)
+        elif path.startswith("/v1/responses/"):
+            try:
+                self.reply(200, self.stored_response(path, query(self.path)))
+            except RequestError as e:
+                self.error(e)
         else:
             self.error(RequestError(404, f"no route {self.path[:200]}", "not_found_error"))
+
+    def delete(self):
+        """DELETE /v1/responses/{id}: the stored response is dropped."""
+        path = self.bodiless()
+        if path is None:
+            return
+        rid = path.removeprefix("/v1/responses/")
+        if not path.startswith("/v1/responses/") or "/" in rid:
+            return self.error(RequestError(404, f"no route {self.path[:200]}", "not_found_error"))
+        if not self.responses_api.store.delete(rid):
+            return self.error(not_kept(rid))
+        self.reply(200, {"id": rid, "object": "response", "deleted": True})
+
+    @property
+    def responses_api(self) -> Responses:
+        endpoint = self.api.routes["/v1/responses"]
+        assert isinstance(endpoint, Responses)
+        return endpoint
+
+    def stored_response(self, path: str, args: dict[str, str]) -> dict:
+        """GET /v1/responses/{id} (the response) or /v1/responses/{id}/input_items (its
+        request's input items, a page of them: ``limit``, ``order``, ``after``)."""
+        rid, _, rest = path.removeprefix("/v1/responses/").partition("/")
+        if rest not in ("", "input_items"):
+            raise RequestError(404, f"no route {self.path[:200]}", "not_found_error")
+        stored = self.responses_api.store.get(rid)
+        if stored is None:
+            raise not_kept(rid)
+        if not rest:
+            return stored.response
+        return page_of(stored.input_items, args)
 
     def post(self):
         endpoint = self.api.routes.get(self.path.split("?")[0].rstrip("/"))
@@ -444,7 +529,7 @@ class Handler(BaseHTTPRequestHandler):
             return self.error(RequestError(403, why, "permission_error"))
         self.send_response(204)
         self.cors_headers()
-        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS")
         asked = self.headers.get("Access-Control-Request-Headers", "")
         self.send_header("Access-Control-Allow-Headers", asked[:1000] or "Content-Type")
         self.send_header("Access-Control-Max-Age", "600")

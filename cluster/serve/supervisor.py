@@ -18,6 +18,7 @@ from cluster.core.spec import JobSpec, LaunchSettings
 from cluster.job.launcher import LaunchError, log, run_job
 from cluster.job.memory import fits
 from cluster.job.signals import Interrupted, restore_signals, trap_signals
+from cluster.serve.api.stored import ResponseStore
 from cluster.serve.http import Api, raise_open_files
 from cluster.serve.service import Service
 
@@ -64,6 +65,10 @@ def serve_until_done(
             allowed_hosts=settings.allowed_hosts,
             cors_origins=settings.cors_origins,
             log=lambda line: log(stderr, line),
+            responses=ResponseStore(
+                int(settings.responses_store_mb * (1 << 20)),
+                settings.responses_store_hours * 3600,
+            ),
         )
     except OSError as e:
         log(stderr, f"cannot listen on {settings.host}:{settings.port} ({e.strerror}); "

@@ -369,6 +369,33 @@ def test_a_conversation_sent_again_prefills_only_its_new_turn(server):
     assert r.choices[0].message.content == conversation_reference(server.model, messages, 16)
 
 
+def test_a_chained_response_is_answered_from_the_stored_conversation(server):
+    """Responses' previous_response_id: the stored turn and the new input make the prompt
+    (found in the prompt cache), the answer is single-process mlx-lm's on that conversation,
+    and each object the server sends validates against the specification's fields."""
+    from tests.support.openresponses import ResponseResource, check
+
+    client = server.client
+    first = client.responses.create(model="m", input=PROMPT, max_output_tokens=16, temperature=0)
+    second = client.responses.create(model="m", previous_response_id=first.id,
+                                     input="And tuples?", max_output_tokens=16,
+                                     temperature=0)  # fmt: skip
+    for r in (first, second):
+        check(r.model_dump(mode="json", exclude_unset=True), ResponseResource)
+    messages = [
+        {"role": "user", "content": PROMPT},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And tuples?"},
+    ]
+    assert second.output_text == conversation_reference(server.model, messages, 16)
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert first.usage.input_tokens - 1 <= cached < second.usage.input_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="m", previous_response_id=second.id, input="More")
+
+
 def test_api_key(tmp_path):
     from tests.support.tiny import make_model
 

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (/v1/responses).
+"""OpenAI's Responses API (/v1/responses), as the OpenResponses specification shapes it.
 
 ``input`` (a string, or items: messages, function calls and their outputs; ``developer``
 messages are system ones) and ``instructions`` become the chat messages rank 0 renders with the
@@ -6,15 +6,19 @@ model's template; function tools become the template's tools (a ``namespace`` to
 among them, each call answered with its namespace); hosted tools a local model cannot run
 (``web_search``, ``file_search``, ...) are left out of the prompt, and the response says so in
 ``notes``. The answer comes back as output items (reasoning, a message, function calls), whole
-or as the typed stream events of the API. This server keeps no responses:
-``previous_response_id`` is refused, and a client sends the conversation in ``input`` (as it
-does with ``store: false``; ``store: true`` is taken, and nothing is kept). ``text.format``, a
-forced ``tool_choice`` and strict tools are decoded under a grammar
-(cluster.serve.api.constrain); ``prompt_cache_key`` scopes the prompt cache.
+or as the typed stream events of the API; every response object carries each field the
+specification requires, with the values used (the sampling settings, ``truncation``
+"disabled": a prompt over the context is refused, never cut). A response is kept (``store``,
+true unless the request says false) in serve's bounded store (cluster.serve.api.stored):
+``previous_response_id`` continues its conversation, and GET / DELETE ``/v1/responses/{id}``
+(and ``/input_items``) read or drop it. ``text.format``, a forced ``tool_choice`` and strict
+tools are decoded under a grammar (cluster.serve.api.constrain); ``prompt_cache_key`` scopes
+the prompt cache.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from cluster.core.params import RESPONSES, api_fields
@@ -40,28 +44,41 @@ from cluster.serve.api.shared import (
     max_tokens,
     sampling,
 )
+from cluster.serve.api.stored import ResponseStore, Stored
 
 API_SAMPLING = api_fields(Sampling, RESPONSES)  # request field -> our setting (core.spec)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-ECHOED = ("instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
-          "max_output_tokens", "reasoning", "text", "metadata")  # fmt: skip
+ECHOED = ("instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+          "reasoning", "text", "metadata", "previous_response_id", "max_tool_calls",
+          "safety_identifier", "prompt_cache_key", "user")  # fmt: skip
 
 
-def input_messages(body: dict) -> list[dict]:
-    """``instructions`` and ``input`` as chat messages (consecutive function calls become one
-    assistant message with several tool calls)."""
+def input_items(body: dict) -> list:
+    """``input`` as a list of items (a string is one user message)."""
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise RequestError(400, "'input' must be a non-empty string or list of items")
+    return check_count(items, MAX_MESSAGES, "input")
+
+
+def input_messages(body: dict, history: list[dict] | None = None) -> list[dict]:
+    """``instructions``, the stored conversation (``history``, from previous_response_id)
+    and ``input`` as chat messages."""
     messages: list[dict] = []
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise RequestError(400, "'instructions' must be a string")
         messages.append({"role": "system", "content": instructions})
-    items = body.get("input")
-    if isinstance(items, str):
-        items = [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise RequestError(400, "'input' must be a non-empty string or list of items")
-    check_count(items, MAX_MESSAGES, "input")
+    return messages + (history or []) + turn_messages(input_items(body))
+
+
+def turn_messages(items: list) -> list[dict]:
+    """Input items as chat messages (consecutive function calls become one assistant message
+    with several tool calls)."""
+    messages: list[dict] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -154,15 +171,43 @@ def response_tools(tools: Any, choice: Any) -> tuple[list | None, constrain.Cons
 
 
 class Responses:
+    def __init__(self, store: ResponseStore | None = None):
+        self.store = store if store is not None else ResponseStore(0, 0)
+
+    def history(self, body: dict) -> list[dict]:
+        """The conversation ``previous_response_id`` continues (its instructions not carried
+        over, as the specification says), or a 404 naming what is not kept."""
+        previous = body.get("previous_response_id")
+        if previous is None:
+            return []
+        if not isinstance(previous, str):
+            raise RequestError(400, "'previous_response_id' must be a string")
+        try:
+            return self.store.conversation(previous)
+        except KeyError as e:
+            missing = f"response {str(e.args[0])[:100]!r}"
+            chain = "" if e.args[0] == previous else f", which {previous[:100]!r} follows,"
+            raise RequestError(
+                404,
+                f"'previous_response_id': {missing}{chain} is not kept by this server: it was "
+                "made with store false, deleted, or dropped (serve keeps responses for "
+                "--responses-store-hours, in at most --responses-store-mb, until it stops); "
+                "send the whole conversation in 'input'",
+                "not_found_error",
+            ) from None
+
     def parse(self, body: Any, door: Door) -> ServeRequest:
         body = check_object(body)
         check_model(body, door)
-        if body.get("previous_response_id") is not None:
-            raise RequestError(
-                400,
-                "'previous_response_id' is not supported: this server keeps no responses; "
-                "send the whole conversation in 'input'",
-            )
+        for name in ("store", "background"):
+            if body.get(name) is not None and not isinstance(body[name], bool):
+                raise RequestError(400, f"'{name}' must be a boolean")
+        if body.get("background"):
+            raise RequestError(400, "'background': true is not supported: this server answers "
+                                    "while the connection is open (stream: true for long "
+                                    "answers)")  # fmt: skip
+        if body.get("truncation", "disabled") not in ("auto", "disabled"):
+            raise RequestError(400, "'truncation' must be 'auto' or 'disabled'")
         text = body.get("text") or {}
         if not isinstance(text, dict):
             raise RequestError(400, "'text' must be an object")
@@ -186,7 +231,7 @@ class Responses:
                 tools=tools,
                 reasoning_effort=effort if isinstance(effort, str) else None,
             ),
-            messages=input_messages(body),
+            messages=input_messages(body, self.history(body)),
             seeded=chosen.seed is not None,
             logprobs=(top or 0) if wanted or top else None,
             constraint=constraint,
@@ -200,16 +245,19 @@ class Responses:
         if answer.content or not answer.tool_calls:
             items.append(message_item(req, answer.content, answer.logprobs))
         items += [function_item(req, c) for c in answer.tool_calls]
-        return response_body(req, items, answer.result)
+        return kept(self.store, req, response_body(req, items, answer.result))
 
     def events(self, req: ApiRequest) -> ResponseStream:
-        return ResponseStream(req)
+        return ResponseStream(req, self.store)
 
     def error_body(self, e: RequestError) -> dict:
         return error_body(e)
 
     def echo(self, body: dict) -> dict:
         out = {k: body[k] for k in ECHOED if k in body}
+        out["store"] = self.store.enabled and body.get("store") is not False
+        if out["store"]:  # this turn's items, kept with the answer once it ends
+            out["input"] = input_items(body)
         out["namespaces"] = {t.get("name"): space for _, t, space in tool_items(body.get("tools"))
                              if space is not None}  # fmt: skip
         if hosted := dropped(body.get("tools")):
@@ -256,10 +304,32 @@ def function_item(req: ApiRequest, call: ToolCall, done: bool = True) -> dict:
     return item
 
 
+def echoed_tools(tools: Any) -> list:
+    """The request's tools as the response repeats them: a function tool with every field
+    the specification requires (``strict`` as it was applied: false unless asked)."""
+    out = []
+    for tool in tools if isinstance(tools, list) else []:
+        if isinstance(tool, dict) and tool.get("type") == "function":
+            tool = {"type": "function", "name": tool.get("name"),
+                    "description": tool.get("description"),
+                    "parameters": tool.get("parameters"),
+                    "strict": tool.get("strict") is True}  # fmt: skip
+        out.append(tool)
+    return out
+
+
+def echoed_reasoning(reasoning: Any) -> dict | None:
+    if not isinstance(reasoning, dict):
+        return None
+    return {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")}
+
+
 def response_body(req: ApiRequest, output: list[dict], result: dict | None,
                   status: str | None = None) -> dict:  # fmt: skip
-    """The response object: in progress (no result yet) or ended (its usage, its status)."""
+    """The response object: in progress (no result yet) or ended (its usage, its status),
+    each field the specification requires present, the sampling values those used."""
     body = req.echo
+    sampling = req.request.sampling
     incomplete = None
     if result is not None:
         reason = result.get("finish_reason")
@@ -268,28 +338,40 @@ def response_body(req: ApiRequest, output: list[dict], result: dict | None,
         elif reason == "cancelled":
             incomplete = {"reason": "cancelled"}
         status = status or ("incomplete" if incomplete else "completed")
+    text: dict = body["text"] if isinstance(body.get("text"), dict) else {}
     out = {
         "id": f"resp_{req.id}",
         "object": "response",
         "created_at": req.created,
+        "completed_at": int(time.time()) if status == "completed" else None,
         "status": status or "in_progress",
-        "model": req.model,
-        "output": output,
-        "instructions": body.get("instructions"),
-        "tools": body.get("tools") or [],
-        "tool_choice": body.get("tool_choice") or "auto",
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "temperature": body.get("temperature"),
-        "top_p": body.get("top_p"),
-        "max_output_tokens": body.get("max_output_tokens"),
-        "previous_response_id": None,
-        "reasoning": body.get("reasoning"),
-        "text": body.get("text") or {"format": {"type": "text"}},
-        "metadata": body.get("metadata") or {},
-        "store": False,
-        "error": None,
         "incomplete_details": incomplete,
+        "model": req.model,
+        "previous_response_id": body.get("previous_response_id"),
+        "instructions": body.get("instructions"),
+        "output": output,
+        "error": None,
+        "tools": echoed_tools(body.get("tools")),
+        "tool_choice": body.get("tool_choice") or "auto",
+        "truncation": "disabled",
+        "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
+        "text": {**text, "format": text.get("format") or {"type": "text"}},
+        "top_p": sampling.top_p,
+        "presence_penalty": sampling.presence_penalty or 0.0,
+        "frequency_penalty": sampling.frequency_penalty or 0.0,
+        "top_logprobs": req.request.logprobs or 0,
+        "temperature": sampling.temp,
+        "reasoning": echoed_reasoning(body.get("reasoning")),
+        "user": body.get("user"),
         "usage": None,
+        "max_output_tokens": body.get("max_output_tokens"),
+        "max_tool_calls": body.get("max_tool_calls"),
+        "store": bool(body.get("store")),
+        "background": False,
+        "service_tier": "default",
+        "metadata": body.get("metadata") or {},
+        "safety_identifier": body.get("safety_identifier"),
+        "prompt_cache_key": body.get("prompt_cache_key"),
     }
     if body.get("notes"):
         out["notes"] = body["notes"]
@@ -307,6 +389,49 @@ def response_body(req: ApiRequest, output: list[dict], result: dict | None,
     return out
 
 
+def kept(store: ResponseStore, req: ApiRequest, body: dict) -> dict:
+    """An ended response into the store (when its request asked, and it did not fail)."""
+    if not body["store"] or body["status"] not in ("completed", "incomplete"):
+        return body
+    items = [identified(item, req.id, i) for i, item in enumerate(req.echo["input"])]
+    turn = turn_messages(items) + answer_messages(body["output"])
+    if not store.put(body["id"], Stored(body, items, turn, body["previous_response_id"])):
+        body["store"] = False  # larger alone than --responses-store-mb
+    return body
+
+
+def identified(item: Any, rid: str, i: int) -> Any:
+    """An input item as GET .../input_items lists it: with an id (and a message's text as
+    content parts)."""
+    if not isinstance(item, dict):
+        return item
+    kind = item.get("type", "message")
+    out = {"id": item.get("id") or f"{INPUT_ID.get(kind, 'item')}_{rid}_{i}", "type": kind,
+           **{k: v for k, v in item.items() if k not in ("id", "type")}}  # fmt: skip
+    if kind == "message" and isinstance(out.get("content"), str):
+        part = "output_text" if out.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": out["content"]}]
+    return out
+
+
+INPUT_ID = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+            "reasoning": "rs"}  # fmt: skip
+
+
+def answer_messages(output: list[dict]) -> list[dict]:
+    """The output items as the chat messages a later turn's template renders: the text
+    and the function calls in one assistant message (reasoning left out, as templates
+    drop earlier thinking)."""
+    text = "".join(part.get("text", "") for item in output if item["type"] == "message"
+                   for part in item["content"])  # fmt: skip
+    calls = [(c["call_id"], c["name"], c["arguments"]) for c in output
+             if c["type"] == "function_call"]  # fmt: skip
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = assistant_calls(calls, "output", indexed=True)
+    return [message]
+
+
 class ResponseStream:
     """The typed events, each with its sequence number. The reasoning item and the message
     open when their first text arrives and close before the next item opens."""
@@ -314,8 +439,9 @@ class ResponseStream:
     done = b""
     keepalive = SSE_KEEPALIVE
 
-    def __init__(self, req: ApiRequest):
+    def __init__(self, req: ApiRequest, store: ResponseStore | None = None):
         self.req = req
+        self.store = store if store is not None else ResponseStore(0, 0)
         self.sequence = 0
         self.items: list[dict] = []  # output items done so far
         self.open: str | None = None  # "reasoning" or "message" while one is open
@@ -423,7 +549,7 @@ class ResponseStream:
         if not self.items and self.open is None:  # an empty answer is still a message
             yield from self.opened("message")
         yield from self.close()
-        body = response_body(self.req, self.items, answer.result)
+        body = kept(self.store, self.req, response_body(self.req, self.items, answer.result))
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         yield self.event(kind, response=body)
 
