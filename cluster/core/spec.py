@@ -163,6 +163,7 @@ class Constraint:
     grammar: str | None = None
     tools: str | None = None
     source: str = ""  # the field it came from, for a refusal: "response_format", "tool_choice"
+    single: bool = False  # at most one call (parallel_tool_calls false, disable_parallel_...)
 
 
 @dataclass

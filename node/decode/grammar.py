@@ -25,10 +25,9 @@ the model inside a think block, the mask waits until the block closes (``after``
 is free, the answer is constrained.
 
 A forced tool call (``tool_choice`` required or a named tool, Anthropic's ``any``/``tool``) or a
-strict tool is a grammar in the model's own tool-call markup, built here from the request's
-tools and mlx-lm's parser of the family (``tool_grammar``): JSON inside the markers (json_tools,
-Qwen's and Hermes'), or Mistral's ``[TOOL_CALLS][...]``. Other families' markup is refused with
-the reason.
+strict tool is a grammar in the model's own tool-call markup, built from the request's tools
+and mlx-lm's parser of the family (node.decode.toolcalls: every family mlx-lm parses; a model
+without one answers a forced call as JSON, which rank 0 returns as the call).
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ import mlx.core as mx
 import numpy as np
 
 from cluster.core.grammar import (  # one set for the launcher and ranks
-    JSON_OPTIONS,
     LIMITS,
     first_line,
     verdict,
@@ -311,65 +309,6 @@ def find(seq: list[int], part: list[int], start: int = 0) -> int:
     return -1
 
 
-# Forced tool calls, in the model's own markup
-
-
-def tool_grammar(tokenizer, tools: list[dict], choice: str) -> str:
-    """The grammar of an answer that calls tools: ``choice`` "required" (one or more calls
-    of any tool, nothing else), a tool's name (exactly that call), or "strict" (free text,
-    and each call its markup starts made to match its tool's schema). GrammarError when the
-    model's markup is not one this can write."""
-    import llguidance
-
-    start = getattr(tokenizer, "tool_call_start", None)
-    end = getattr(tokenizer, "tool_call_end", None) or ""
-    parser = getattr(getattr(tokenizer, "tool_parser", None), "__module__", "") or ""
-    family = parser.rsplit(".", 1)[-1]
-    if not start:
-        raise GrammarError("this model has no tool-call format: a tool call cannot be forced")
-    if family not in ("json_tools", "mistral"):
-        raise GrammarError(
-            f"this model's tool-call format ({family}) cannot be forced; use tool_choice auto"
-        )
-    functions = {t["function"]["name"]: t["function"] for t in tools if "function" in t}
-    if choice not in ("required", "strict") and choice not in functions:
-        raise GrammarError(f"no tool named {choice!r} among the request's tools")
-    names = list(functions) if choice in ("required", "strict") else [choice]
-    if not names:
-        raise GrammarError("the request has no tools to call")
-
-    def call_schema(name: str) -> dict:
-        parameters = functions[name].get("parameters") or {"type": "object"}
-        return {"type": "object", "properties": {"name": {"const": name},
-                "arguments": parameters}, "required": ["name", "arguments"],
-                "additionalProperties": False}  # fmt: skip
-
-    compact = {"x-guidance": JSON_OPTIONS}  # JSON as cluster.core.grammar writes it
-
-    one = {"anyOf": [call_schema(n) for n in names]} if len(names) > 1 else call_schema(names[0])
-    one = {**one, **compact}
-    body = f"%json {json.dumps(one)}"
-    open_, close = marker(tokenizer, start), marker(tokenizer, end) if end else ""
-    if choice == "strict":  # free text (and a think block), each call made to match
-        if family != "json_tools":
-            raise GrammarError(f"strict tools need JSON tool calls; this model's are {family}")
-        if open_.startswith("<["):
-            call = f'TEXT {open_} "\\n" {body} "\\n" {close}'
-        else:  # a text marker: the text before it is lazy, so that the marker ends it
-            call = f'call_open "\\n" {body} "\\n" {close}\ncall_open[lazy]: TEXT {open_}'
-        think = think_rule(tokenizer)
-        return llguidance.LLMatcher.grammar_from_lark(
-            f"%llguidance {{}}\nstart: {'think? ' if think else ''}call* TEXT\ncall: {call}\n"
-            f"TEXT: /(.|\\n)*/\n{think}"
-        )
-    if family == "json_tools":
-        call = f'{open_} "\\n" {body} "\\n" {close}'
-        many = 'call ("\\n" call)*' if choice == "required" else "call"
-        return llguidance.LLMatcher.grammar_from_lark(f"start: {many}\ncall: {call}\n")
-    many = f'"[" {body} ("," " "? {body})* "]"' if choice == "required" else f'"[" {body} "]"'
-    return llguidance.LLMatcher.grammar_from_lark(f"start: {open_} {many}\n")
-
-
 def think_rule(tokenizer) -> str:
     """A think block of the model's own special markers, for a grammar whose free text may
     begin with one ("" when the markers are not special tokens: text covers them)."""
@@ -386,17 +325,41 @@ def marker(tokenizer, text: str) -> str:
     """A markup string in Lark: the special token itself when it is one (its bytes are not
     text), else the text."""
     ids = tokenizer.encode(text, add_special_tokens=False)
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    if len(ids) == 1 and (ids[0] in special or getattr(added.get(ids[0]), "special", False)):
+    if len(ids) == 1 and is_special(tokenizer, ids[0]):
         return f"<[{ids[0]}]>"
     return json.dumps(text)
 
 
-def shared_grammar(tokenizer, constraint, tools: list | None, prompt: list[int]) -> Grammar:
+def is_special(tokenizer, token: int) -> bool:
+    """Whether llguidance takes ``token`` as special: matched as the token, never as text.
+    Its own view when the job's tokenizer is loaded (it takes an added token written like
+    ``<tool_call>`` as special, whatever tokenizer.json's flag says: Qwen's ``<tool_call>``
+    and ``<think>`` are not flagged), else the tokenizer's flags."""
+    try:
+        return bool(tokens().tokenizer.is_special_token(token))
+    except GrammarError:
+        from node.decode.toolcalls import flagged_special
+
+        return flagged_special(tokenizer, token)
+
+
+def shared_grammar(tokenizer, constraint, tools: list | None,
+                   prompt: list[int]) -> Grammar | None:  # fmt: skip
     """Rank 0: what every rank needs to constrain the answer (the grammar's text, and the
-    tokens it waits for), checked against this model; GrammarError otherwise."""
-    text = constraint.grammar or tool_grammar(tokenizer, tools or [], constraint.tools or "")
+    tokens it waits for), checked against this model; GrammarError otherwise. None: nothing
+    to constrain (strict tools of a model without tool-call markup)."""
+    text = constraint.grammar
+    if not text:
+        from node.decode.toolcalls import tool_grammar
+
+        try:
+            text = tool_grammar(tokenizer, tools or [], constraint.tools or "",
+                                think_rule(tokenizer), constraint.single,
+                                lambda token: is_special(tokenizer, token))  # fmt: skip
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
+        if text is None:
+            return None
     check(text)
     return Grammar(text, think_end(tokenizer, prompt))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +27,14 @@ CONTENT, REASONING, TOOL = "content", "reasoning", "tool"
 class Parts:
     """One answer's text, split as it streams; ``emit`` gets Piece and ToolCall events."""
 
-    def __init__(self, request_id: str, tokenizer, tools: list | None, split: bool, emit):
+    def __init__(self, request_id: str, tokenizer, tools: list | None, split: bool, emit,
+                 json_calls: str | None = None):  # fmt: skip
         self.id = request_id
+        # a forced call of a model without tool-call markup (node.decode.toolcalls): the
+        # answer is the call as JSON, the arguments of the tool so named, or "required"'s
+        # list of {"name", "arguments"}; it becomes the call when the answer ends
+        self.json_calls = json_calls
+        self.held = ""
         self.emit = emit
         self.tools = tools
         self.parser: Callable | None = None
@@ -76,8 +83,31 @@ class Parts:
         self.pending = ""
         if self.state == TOOL:
             self.switch(CONTENT, "")
+        if self.json_calls is not None:
+            self.json_answer()
         self.send_logprobs()
         return self.calls > 0
+
+    def json_answer(self) -> None:
+        """The held answer as the forced call(s); text that is not one (an answer cut by
+        max_tokens) is sent as content: nothing is lost."""
+        text, self.held = self.held, ""
+        try:
+            value = json.loads(text)
+            if self.json_calls == "required":
+                found = [(c["name"], c["arguments"]) for c in value]
+            else:
+                found = [(self.json_calls, value)]
+            if not found or not all(isinstance(n, str) and isinstance(a, dict) for n, a in found):
+                raise ValueError("not a tool call")
+        except (ValueError, TypeError, KeyError):
+            if text:
+                self.emit(Piece(self.id, text, CONTENT, self.logprobs or None))
+                self.logprobs = []
+            return
+        for name, arguments in found:
+            self.emit(ToolCall(self.id, self.calls, valid_text(name), arguments_json(arguments)))
+            self.calls += 1
 
     def switch(self, to: str, marker: str) -> None:
         """Into state ``to``; the whitespace after a marker is dropped, unless the marker
@@ -94,6 +124,9 @@ class Parts:
     def out(self, text: str) -> None:
         if self.state == TOOL:
             self.call += text
+            return
+        if self.json_calls is not None and self.state == CONTENT:
+            self.held += text
             return
         if self.trim:
             text = text.lstrip()
@@ -137,8 +170,9 @@ class Parts:
 def arguments_json(value: Any) -> str:
     """A parser's arguments as JSON text, whatever they hold: mlx-lm's parsers that use
     ``ast.literal_eval`` can give sets, tuples, bytes, complex numbers or non-finite floats,
-    which JSON has no form for; those become lists or strings (nothing the model wrote is
-    dropped, and the call still reaches the client)."""
+    which JSON has no form for; those become lists or strings, and a number past a double's
+    range (1e999) the largest double (nothing the model wrote is dropped, the call still
+    reaches the client, and a number stays a number)."""
     return json.dumps(plain(value), ensure_ascii=False, allow_nan=False)
 
 
@@ -147,8 +181,10 @@ def plain(value: Any, depth: int = 0) -> Any:
         return valid_text(repr(value)[:10_000])
     if value is None or isinstance(value, (bool, int)):
         return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
+    if isinstance(value, float):  # past a double's range: the largest, still a number
+        if math.isinf(value):
+            return math.copysign(sys.float_info.max, value)
+        return value if math.isfinite(value) else str(value)  # NaN has no JSON form
     if isinstance(value, str):
         return valid_text(value)
     if isinstance(value, (bytes, bytearray)):

@@ -61,6 +61,7 @@ from node.decode.loop import answer_stats
 from node.decode.parts import Parts, token_logprobs
 from node.decode.sampling import RequestFailed, seeded, tried
 from node.decode.text import AnswerText, answer_text
+from node.decode.toolcalls import json_answer
 from node.jobs import Job
 from node.rank.watchdog import progress
 
@@ -184,7 +185,7 @@ class Refusal(ValueError):
     """A request rank 0 refuses once it has its tokens (the field and the limit named)."""
 
 
-def constrained(tokenizer, r: ServeRequest, tokens: list[int]) -> Grammar:
+def constrained(tokenizer, r: ServeRequest, tokens: list[int]) -> Grammar | None:
     """The grammar every rank decodes ``r`` under (node.decode.grammar), checked against this
     model's tokens here, off the decode loop; Refusal naming the field otherwise."""
     from node.decode.grammar import GrammarError, shared_grammar
@@ -369,14 +370,18 @@ class Scheduler:
             shared = self.admission.request(tokens, r.sampling)
             if r.constraint is not None:
                 shared.grammar = constrained(self.tokenizer, r, tokens)
-                if why := self.failures.why(digest(shared.grammar.text).hex()):
-                    raise Refusal(f"'{r.constraint.source or 'grammar'}': {why}")
+                known = shared.grammar and self.failures.why(digest(shared.grammar.text).hex())
+                if known:
+                    raise Refusal(f"'{r.constraint.source or 'grammar'}': {known}")
             shared.cache_key = r.cache_key
             flight.shared, flight.size = shared, shared_size(shared)
         except Refusal as e:
             self.emit(Refused(r.id, 400, str(e)))
             return None
-        flight.parts = Parts(r.id, self.tokenizer, r.template.tools, r.kind == "chat", self.emit)
+        choice = r.constraint.tools if r.constraint is not None else None
+        flight.parts = Parts(r.id, self.tokenizer, r.template.tools, r.kind == "chat", self.emit,
+                             json_calls=choice if json_answer(self.tokenizer, choice)
+                             else None)  # fmt: skip
         return flight
 
     def take(self, flight: Flight | None) -> None:

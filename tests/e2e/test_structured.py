@@ -8,7 +8,6 @@ tests/e2e/test_grammar.py.)"""
 from __future__ import annotations
 
 import json
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -46,9 +45,7 @@ def served(request, tool_model):
     server.anthropic = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
     server.model_id = tool_model.name
     yield server
-    health = json.loads(urllib.request.urlopen(url + "/health").read())
-    assert health["restarts"] == 0, health
-    assert server.stop() == 0
+    server.stop_clean(refusals=True)  # its bad schemas are 400s
 
 
 @pytest.fixture(autouse=True)

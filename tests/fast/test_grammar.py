@@ -120,12 +120,6 @@ def test_the_grammar_waits_for_the_think_block_the_prompt_opened(qwen):
     assert allowed and all("ok".startswith(tokenizer.decode([i])) for i in allowed)
 
 
-def test_markup_that_cannot_be_forced_is_refused_with_the_reason(qwen):
-    model, tokenizer = qwen
-    with pytest.raises(node_grammar.GrammarError, match="no tool-call format"):
-        node_grammar.tool_grammar(tokenizer, [], "required")
-
-
 def test_bad_grammars_are_refused_naming_the_keyword():
     for make, value, says in [
         (grammar.json_schema, {"type": "strin"}, "Invalid type: strin"),

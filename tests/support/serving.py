@@ -95,6 +95,15 @@ class Served:
         assert not self.pids & set(rank_pids()), "rank processes left running"
         return code
 
+    def stop_clean(self, refusals: bool = False) -> None:
+        """A module's server at its end: never restarted, drained with exit 0, and (unless
+        ``refusals``) no 400 and no traceback in its log."""
+        health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health").read())
+        assert health["restarts"] == 0, health
+        assert self.stop() == 0
+        if not refusals:
+            assert not any(" 400 " in line or "Traceback" in line for line in self.log)
+
 
 def chat_reference(model_dir, max_tokens: int) -> str:
     return reference(model_dir, PROMPT, max_tokens)  # the chat template, greedy

@@ -279,6 +279,9 @@ class Messages:
         if most is None:
             raise RequestError(400, "max_tokens: Field required")
         tools, forced = anthropic_tools(body.get("tools"), body.get("tool_choice"))
+        choice = body.get("tool_choice")
+        single = isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True
+        forced = constrain.one_call(forced, single)
         constraint = constrain.only([output_constraint(body), constrain.extension(body), forced])
         return ServeRequest(
             id="",

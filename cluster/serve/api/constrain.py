@@ -16,6 +16,7 @@ becomes its grammar on rank 0, which knows the model's tool-call markup (node.gr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,6 +98,14 @@ def forced(kind: str, tools: list, name: str) -> Constraint:
     if kind != "required" and kind not in {t["function"]["name"] for t in tools}:
         raise RequestError(400, f"'{name}' names {kind!r}, which is not among the tools")
     return Constraint(tools=kind, source=name)
+
+
+def one_call(constraint: Constraint | None, single: bool) -> Constraint | None:
+    """A tool constraint that allows one call at most (OpenAI's ``parallel_tool_calls``
+    false, Anthropic's ``disable_parallel_tool_use``)."""
+    if constraint is None or constraint.tools is None or not single:
+        return constraint
+    return dataclasses.replace(constraint, single=True)
 
 
 def strict(tools: list, marked: list[bool]) -> Constraint | None:

@@ -200,6 +200,7 @@ class ChatCompletions:
         check_n(body)
         include_usage(body)
         tools, forced = chat_tools(body.get("tools"), body.get("tool_choice"))
+        forced = constrain.one_call(forced, body.get("parallel_tool_calls") is False)
         constraint = constrain.only([
             constrain.response_format(body.get("response_format"), "response_format"),
             constrain.extension(body),

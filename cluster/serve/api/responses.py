@@ -212,6 +212,7 @@ class Responses:
         if not isinstance(text, dict):
             raise RequestError(400, "'text' must be an object")
         tools, forced = response_tools(body.get("tools"), body.get("tool_choice"))
+        forced = constrain.one_call(forced, body.get("parallel_tool_calls") is False)
         constraint = constrain.only([
             constrain.response_format(text.get("format"), "text.format", flat=True),
             constrain.extension(body),

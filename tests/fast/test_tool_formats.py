@@ -1,0 +1,164 @@
+"""Forced and strict tool calls in every tool-call format mlx-lm parses (node.decode.toolcalls):
+for each family, a tokenizer that speaks it (tests/support/toolformats.py), the grammar of
+``tool_choice`` required, a named tool and strict tools, and answers sampled at random under it
+(``walk``: anything the mask allows). Every call comes back through rank 0's own path (Parts
+and the family's mlx-lm parser) with arguments that validate against the tool's schema; a
+forced answer is calls and nothing else. A model without a format answers a forced call as
+JSON, which Parts returns as the call. Across ranks and through the official clients:
+tests/e2e/test_structured.py."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from cluster.core.protocol import Piece, ToolCall
+from node.decode import grammar as node_grammar
+from node.decode.parts import Parts
+from node.decode.toolcalls import FORMATS, family_of, format_of, json_answer, tool_grammar
+from tests.support.toolformats import FAMILIES, make_tokenizer, walk
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "detail": {"type": "boolean"},
+        "hours": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 23},
+                  "maxItems": 3},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"},
+                  "lon": {"type": "number"}}, "required": ["lat", "lon"],
+                  "additionalProperties": False},
+        "note": {"type": "string"},
+    }, "required": ["city", "unit", "days"], "additionalProperties": False}}}  # fmt: skip
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object",
+       "properties": {}}}}  # fmt: skip
+# function_gemma's parser reads flat values only (a list or an object cannot be written)
+FLAT = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+    **WEATHER["function"]["parameters"], "properties": {
+        k: v for k, v in WEATHER["function"]["parameters"]["properties"].items()
+        if k not in ("hours", "where")}}}}  # fmt: skip
+SEEDS = 6
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("formats")
+    return {family: (make_tokenizer(root / family.replace("[", "_").rstrip("]"), family),
+                     root / family.replace("[", "_").rstrip("]"))
+            for family in FAMILIES}  # fmt: skip
+
+
+@pytest.fixture
+def speaking(tokenizers):
+    """speaking(family): that tokenizer as the job's (llguidance's view of its tokens, as a
+    rank has it), the one before put back after the test."""
+    before = node_grammar._SOURCE
+
+    def use(family: str):
+        wrapper, path = tokenizers[family]
+        node_grammar.use_tokenizer(path, [wrapper.eos_token_id], len(wrapper._tokenizer))
+        return wrapper, path
+
+    yield use
+    node_grammar._SOURCE = before
+    node_grammar.tokens.cache_clear()
+
+
+def test_every_family_mlx_lm_parses_has_a_format():
+    import pkgutil
+
+    import mlx_lm.tool_parsers
+
+    known = {m.name for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__)}
+    assert known <= set(FORMATS), f"families without a grammar: {known - set(FORMATS)}"
+    assert {f.split("[")[0] for f in FAMILIES} == set(FORMATS)
+
+
+def llguidance_of(wrapper):
+    """Which tokens llguidance takes as special, as rank 0 asks it (node.decode.grammar)."""
+    return lambda token: node_grammar.is_special(wrapper, token)
+
+
+def calls_of(wrapper, text: str, tools: list) -> tuple[list[ToolCall], str]:
+    events: list = []
+    parts = Parts("r", wrapper, tools, True, events.append)
+    parts.feed(text)
+    parts.finish()
+    content = "".join(e.text for e in events if isinstance(e, Piece))
+    return [e for e in events if isinstance(e, ToolCall)], content
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_calls_follow_their_schemas_in_the_model_s_own_format(speaking, family):
+    wrapper, path = speaking(family)
+    # laguna's parser is glm47's own (mlx-lm re-exports it): the same format
+    assert family_of(wrapper) == {"laguna": "glm47"}.get(family, family.split("[")[0])
+    weather = FLAT if family == "function_gemma" else WEATHER
+    tools = [weather, NOW]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    made = 0
+    for choice, single in [("required", False), ("get_weather", False), ("strict", False),
+                           ("required", True), ("strict", True)]:  # fmt: skip
+        grammar = tool_grammar(
+            wrapper, tools, choice, single=single, special=llguidance_of(wrapper)
+        )
+        assert grammar is not None
+        for seed in range(SEEDS if not single else 2):
+            text, ended = walk(wrapper, path, grammar, seed)
+            calls, content = calls_of(wrapper, text, tools)
+            for call in calls:
+                jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+            made += len(calls)
+            if single:  # parallel_tool_calls false, disable_parallel_tool_use
+                assert len(calls) <= 1 and (calls or choice == "strict"), text
+            if choice == "strict":
+                continue
+            assert ended, (choice, seed, text[-300:])
+            assert calls and not content.strip(), (choice, seed, text, content)
+            if choice == "get_weather":
+                assert [c.name for c in calls] == ["get_weather"], text
+    assert made >= 2 * SEEDS
+
+
+def test_a_model_without_a_format_answers_a_forced_call_as_json(speaking):
+    wrapper, path = speaking("json_tools")
+    wrapper._tool_call_start = None  # as a tokenizer without a parser
+    try:
+        assert format_of(wrapper) is None
+        assert json_answer(wrapper, "required") and not json_answer(wrapper, "strict")
+        assert tool_grammar(wrapper, [WEATHER, NOW], "strict") is None  # nothing to start
+        for choice in ("required", "get_weather"):
+            grammar = tool_grammar(wrapper, [WEATHER, NOW], choice, special=llguidance_of(wrapper))
+            for seed in range(SEEDS):
+                text, ended = walk(wrapper, path, grammar, seed)
+                assert ended
+                events: list = []
+                parts = Parts("r", wrapper, [WEATHER, NOW], True, events.append, json_calls=choice)
+                parts.feed(text)
+                parts.finish()
+                calls = [e for e in events if isinstance(e, ToolCall)]
+                assert calls and not [e for e in events if isinstance(e, Piece) and e.text]
+                for call in calls:
+                    schema = {"get_weather": WEATHER, "now": NOW}[call.name]
+                    jsonschema.validate(json.loads(call.arguments),
+                                        schema["function"]["parameters"])  # fmt: skip
+                if choice == "get_weather":
+                    assert [c.name for c in calls] == ["get_weather"]
+    finally:
+        wrapper._tool_call_start = "<tool_call>"
+    events = []
+    cut = Parts("r", wrapper, [WEATHER], True, events.append, json_calls="get_weather")
+    cut.feed('{"city": "Pa')  # cut by max_tokens: sent as it is, nothing lost
+    cut.finish()
+    assert [e.text for e in events] == ['{"city": "Pa']
+
+
+def test_a_tool_the_request_lacks_is_refused(speaking):
+    wrapper, _ = speaking("qwen3_coder")
+    with pytest.raises(ValueError, match="no tool named 'nope'"):
+        tool_grammar(wrapper, [WEATHER], "nope")
+    with pytest.raises(ValueError, match="no tools"):
+        tool_grammar(wrapper, [], "required")
