@@ -35,6 +35,8 @@ from pathlib import Path
 
 from cluster.core.protocol import Piece, ToolCall
 from cluster.serve.api.anthropic import CountTokens, Messages
+from cluster.serve.api.ollama import VERSION, ModelCard, OllamaChat, OllamaGenerate, is_ollama
+from cluster.serve.api.ollama import error_body as ollama_error
 from cluster.serve.api.openai import ChatCompletions, Completions
 from cluster.serve.api.responses import Responses
 from cluster.serve.api.shared import (
@@ -94,11 +96,20 @@ class Api:
             "/v1/responses": Responses(responses or ResponseStore(64 << 20, 3600.0)),
             "/v1/messages": Messages(),
             "/v1/messages/count_tokens": CountTokens(),
+            "/api/chat": OllamaChat(),
+            "/api/generate": OllamaGenerate(),
         }
+        self.card: ModelCard | None = None  # Ollama's view of the model, read when first asked
         self.httpd = Server((host, port), Handler, self, max_connections)
         self.thread = threading.Thread(
             target=self.httpd.serve_until_stopped, daemon=True, name="http"
         )
+
+    def model_card(self) -> ModelCard:
+        if self.card is None:
+            spec = getattr(self.service, "spec", None)
+            self.card = ModelCard(self.service.model_id, spec.model if spec else "")
+        return self.card
 
     @property
     def address(self) -> tuple[str, int]:
@@ -435,13 +446,23 @@ class Handler(BaseHTTPRequestHandler):
             self.reply(200 if ok else 503, health)
         elif path == "/metrics":
             self.send_bytes(200, service.metrics.exposition(), service.metrics.content_type)
+        elif path in ("/api/tags", "/api/ps", "/api/version"):  # Ollama's
+            card = self.api.model_card()
+            answer = {"/api/tags": card.tags, "/api/ps": card.ps}.get(path)
+            self.reply(200, answer() if answer else {"version": VERSION})
         elif path.startswith("/v1/responses/"):
             try:
                 self.reply(200, self.stored_response(path, query(self.path)))
             except RequestError as e:
                 self.error(e)
         else:
-            self.error(RequestError(404, f"no route {self.path[:200]}", "not_found_error"))
+            self.not_found()
+
+    def not_found(self) -> None:
+        e = RequestError(404, f"no route {self.path[:200]}", "not_found_error")
+        if is_ollama(self.path):
+            return self.reply(404, ollama_error(e))
+        self.error(e)
 
     def delete(self):
         """DELETE /v1/responses/{id}: the stored response is dropped."""
@@ -475,7 +496,10 @@ class Handler(BaseHTTPRequestHandler):
         return page_of(stored.input_items, args)
 
     def post(self):
-        endpoint = self.api.routes.get(self.path.split("?")[0].rstrip("/"))
+        path = self.path.split("?")[0].rstrip("/")
+        if path == "/api/show":
+            return self.show()
+        endpoint = self.api.routes.get(path)
         if not self.api.host_allowed(self.headers):
             return self.refuse_host(endpoint)
         if not self.origin_ok(endpoint) or not self.authorized(endpoint):
@@ -501,7 +525,8 @@ class Handler(BaseHTTPRequestHandler):
         except RequestError as e:
             service.metrics.finished(e.status)
             return self.error(e, endpoint)
-        stream = bool(body.get("stream")) and request.kind != "count"
+        stream = bool(body.get("stream", getattr(endpoint, "streams", False)))
+        stream = stream and request.kind != "count"
         req = ApiRequest(endpoint, request, stream, service.model_id, endpoint.echo(body))
         del body  # what the answer repeats is in req.echo; the rest is not kept
         service.submit(req)
@@ -516,6 +541,19 @@ class Handler(BaseHTTPRequestHandler):
         except Exception:  # answered with a 500 (guarded): the ranks stop decoding it
             service.cancel(req)
             raise
+
+    def show(self) -> None:
+        """Ollama's POST /api/show: the model's family, context and capabilities."""
+        if not self.api.host_allowed(self.headers):
+            return self.refuse_host()
+        if not self.origin_ok(None) or not self.authorized(None):
+            return
+        try:
+            body = loads(self.read_body())
+            self.reading.cancel()
+            self.reply(200, self.api.model_card().show(body, self.service.door))
+        except RequestError as e:
+            self.reply(e.status, ollama_error(e))
 
     def options(self):
         """A browser's preflight, answered for ``--cors-origins`` only."""
@@ -722,19 +760,23 @@ class Handler(BaseHTTPRequestHandler):
             item = self.next_item(req, self.api.keepalive_s)
         if isinstance(item, RequestError):
             return self.error(item, req.endpoint)
+        events = req.endpoint.events(req)
+        self.ndjson = getattr(events, "ndjson", False)  # Ollama's: a JSON object per line
         self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
+        self.send_header(
+            "Content-Type", "application/x-ndjson" if self.ndjson else "text/event-stream"
+        )
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.cors_headers()
         self.end_headers()
         self.close_connection = True
-        events = req.endpoint.events(req)
         answer = Answer()
         self.send_events(events.start())
         while item is None or item is RESTART:  # still waiting for the first token
-            self.wfile.write(events.keepalive)
-            self.wfile.flush()
+            if events.keepalive:
+                self.wfile.write(events.keepalive)
+                self.wfile.flush()
             item = self.next_item(req, self.api.keepalive_s)
         while item is not END:
             if isinstance(item, RequestError):  # the ranks failed mid-answer
@@ -754,6 +796,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_events(self, events: Iterable[SSE]) -> None:
         for name, payload in events:
+            if getattr(self, "ndjson", False):
+                self.wfile.write(json.dumps(payload).encode() + b"\n")
+                continue
             head = f"event: {name}\n".encode() if name else b""
             self.wfile.write(head + b"data: " + json.dumps(payload).encode() + b"\n\n")
         self.wfile.flush()

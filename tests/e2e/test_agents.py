@@ -337,6 +337,48 @@ def test_openai_refuses_what_it_cannot_do(agents):
             agents.openai.chat.completions.create(**base, **extra)
 
 
+# Ollama's /api/chat, through the official ollama client
+
+
+def ollama_loop(client, model: str, city: str, stream: bool) -> tuple:
+    """The agent loop as Ollama's clients run it (arguments as objects, the tool's result
+    named by ``tool_name``); each answer as (content, thinking, calls, done_reason)."""
+    messages: list = [{"role": "user", "content": question(city)}]
+
+    def ask():
+        asked = {"model": model, "messages": messages, "tools": [WEATHER_TOOL],
+                 "options": {"temperature": 0}}  # fmt: skip
+        if not stream:
+            r = client.chat(**asked, stream=False)
+            return (r.message.content, r.message.thinking, list(r.message.tool_calls or []),
+                    r.done_reason)  # fmt: skip
+        parts = list(client.chat(**asked, stream=True))
+        assert [p.done for p in parts].count(True) == 1 and parts[-1].done
+        return ("".join(p.message.content or "" for p in parts),
+                "".join(p.message.thinking or "" for p in parts),
+                [c for p in parts for c in p.message.tool_calls or []],
+                parts[-1].done_reason)  # fmt: skip
+
+    first = ask()
+    (call,) = first[2]
+    messages.append({"role": "assistant", "content": first[0], "tool_calls": [call]})
+    messages.append({"role": "tool", "content": weather(call.function.arguments["city"]),
+                     "tool_name": call.function.name})  # fmt: skip
+    return first, ask()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ollama_agent_loop(agents, stream):
+    ollama = pytest.importorskip("ollama")
+    client = ollama.Client(host=f"http://127.0.0.1:{agents.port}",
+                           headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    (content, thinking, calls, _), second = ollama_loop(client, agents.model_id, "Lima", stream)
+    assert thinking.strip() == thought("Lima") and not content.strip()
+    assert calls[0].function.name == "get_weather"
+    assert calls[0].function.arguments == {"city": "Lima"}
+    assert second[0] == final_answer("Lima") and not second[2] and second[3] == "stop"
+
+
 def test_agent_loops_through_every_api_at_once(agents):
     """Twelve agent loops, six at a time: each API, each city, streaming or not, batched in
     lockstep on both ranks; each gets its own call and answer."""

@@ -35,7 +35,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "required": ["zone"], "additionalProperties": False}}}  # fmt: skip
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-SAMPLES = 4
+SAMPLES = 2
 
 
 @pytest.fixture(scope="module", params=[("qwen3_coder", "tensor"), (None, "pipeline")],

@@ -14,9 +14,8 @@ import pytest
 from cluster.core.protocol import Piece, ToolCall
 from cluster.serve.api.shared import END
 from cluster.serve.api.stored import ResponseStore, Stored
-from cluster.serve.http import Api
 from tests.support.openresponses import ResponseResource, check, check_event
-from tests.support.serving import StandIn
+from tests.support.serving import StandIn, running_api
 
 openai = pytest.importorskip("openai")
 
@@ -42,14 +41,10 @@ class Thinker(StandIn):
 
 @pytest.fixture
 def api():
-    service = Thinker()
-    server = Api("127.0.0.1", 0, None, service, responses=ResponseStore(1 << 20, 3600.0))
-    server.start()
-    server.service = service
-    server.client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.address[1]}/v1",
-                                  api_key="none", max_retries=0)  # fmt: skip
-    yield server
-    server.stop()
+    with running_api(Thinker(), responses=ResponseStore(1 << 20, 3600.0)) as server:
+        server.client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.address[1]}/v1",
+                                      api_key="none", max_retries=0)  # fmt: skip
+        yield server
 
 
 def raw(api, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:

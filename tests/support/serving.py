@@ -229,6 +229,20 @@ class StandIn:
         return {"status": "ok"}
 
 
+@contextlib.contextmanager
+def running_api(service: StandIn, **options):
+    """serve's HTTP server on a free port of 127.0.0.1 with ``service`` behind it."""
+    from cluster.serve.http import Api
+
+    server = Api("127.0.0.1", 0, options.pop("key", None), service, **options)
+    server.start()
+    server.service = service
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def service(restart_wait: float = 60.0) -> tuple[Service, list[bytes]]:
     spec = JobSpec(model="m", command="serve", serve=ServeSettings(restart_wait=restart_wait))
     svc = Service(parse_hostfile(HOSTS), spec, io.StringIO(), thread=False)
