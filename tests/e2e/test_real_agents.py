@@ -1,8 +1,10 @@
-"""The real agents against a live 2-rank serve, in each mode: Claude Code (``claude -p``) and
-Codex CLI (``codex exec``), the releases from the npm registry that .ci/run installs (skipped,
-saying so, where they are missing). Each answers a one-shot question, and does a turn whose
-output is a tool call: the agent runs its own shell tool and sends the result back, and the
-next turn answers from it. The model is tests/support/agentmodel.py (it calls each agent's own shell
+"""The real agents against a live 2-rank serve, in each mode: Claude Code (``claude -p``), Codex
+CLI (``codex exec``) and OpenCode (``opencode run``, an openai-compatible provider), the
+releases from the npm registry, and Aider (``aider --message``, from PyPI, in a venv of its
+own), which .ci/run installs (skipped, saying so, where they are missing). Each answers a
+one-shot question, and each that has tools (all but Aider) does a turn whose output is a tool
+call: the agent runs its own shell tool and sends the result back, and the next turn answers
+from it. The model is tests/support/agentmodel.py (it calls each agent's own shell
 tool). Consecutive Claude-Code-shaped turns share their prompt's start in the prompt cache,
 its billing line dropped."""
 
@@ -32,11 +34,12 @@ QUIET = {  # no telemetry, update check or other traffic: the rig has no interne
 
 
 def agent(name: str) -> str:
-    path = BIN / name
+    path = AGENTS_DIR / "aider" / "bin" / "aider" if name == "aider" else BIN / name
     if not path.exists():
-        pytest.skip(f"{name} is not installed in {BIN} (.ci/run installs it with npm: "
+        pytest.skip(f"{name} is not installed in {AGENTS_DIR} (.ci/run installs the agents: "
                     "npm install --prefix ~/.cache/mlx-cluster-agents "
-                    "@anthropic-ai/claude-code @openai/codex)")  # fmt: skip
+                    "@anthropic-ai/claude-code @openai/codex opencode-ai, and "
+                    "aider-chat in a venv at ~/.cache/mlx-cluster-agents/aider)")  # fmt: skip
     return str(path)
 
 
@@ -108,6 +111,44 @@ def codex(served, tmp_path, prompt: str) -> str:
     return (tmp_path / "last.txt").read_text().strip()
 
 
+def opencode(served, tmp_path, prompt: str) -> list[dict]:
+    """OpenCode, headless (its JSON events), with serve as an openai-compatible provider;
+    its own state in ``tmp_path``, nothing fetched from the internet."""
+    config = {"$schema": "https://opencode.ai/config.json", "model": "mlx/am",
+              "share": "disabled", "autoupdate": False,
+              "provider": {"mlx": {"npm": "@ai-sdk/openai-compatible", "name": "mlx-cluster",
+                                   "options": {"baseURL": f"http://127.0.0.1:{served.port}/v1",
+                                               "apiKey": "none"},
+                                   "models": {"am": {"name": "am"}}}}}  # fmt: skip
+    env = {**os.environ, **QUIET, "HOME": str(tmp_path), "OPENCODE_CONFIG_CONTENT":
+           json.dumps(config), **{f"OPENCODE_DISABLE_{k}": "1" for k in ("MODELS_FETCH",
+           "AUTOUPDATE", "SHARE", "LSP_DOWNLOAD", "CLAUDE_CODE", "DEFAULT_PLUGINS")},
+           **{f"XDG_{k}_HOME": str(tmp_path / k.lower()) for k in ("DATA", "CONFIG",
+           "CACHE", "STATE")}}  # fmt: skip
+    p = subprocess.run([agent("opencode"), "run", "--format", "json", "--auto", prompt],
+                       capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=300)  # fmt: skip
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    events = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+    assert not [e for e in events if e["type"] == "error"], events
+    return events
+
+
+def aider(served, tmp_path, prompt: str) -> str:
+    """Aider, one message, no git, against serve as an OpenAI-compatible model; it sends no
+    max_tokens (serve's default: what the context leaves)."""
+    env = {**os.environ, **QUIET, "HOME": str(tmp_path), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    p = subprocess.run(
+        [agent("aider"), "--message", prompt, "--model", "openai/am", "--openai-api-base",
+         f"http://127.0.0.1:{served.port}/v1", "--openai-api-key", "none", "--no-git",
+         "--yes-always", "--no-show-model-warnings", "--no-check-update",
+         "--analytics-disable", "--no-pretty", "--no-fancy-input", "--map-tokens", "0"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    assert "token limit" not in p.stdout, p.stdout
+    return p.stdout
+
+
 def test_claude_code_answers_a_one_shot_prompt(served, tmp_path):
     result = claude(served, tmp_path, QUESTION)
     assert result["result"] == ANSWER and result["num_turns"] == 1, result
@@ -173,3 +214,20 @@ def test_claude_code_shaped_turns_share_their_prompt_in_the_cache(models):
         assert two.usage.cache_read_input_tokens >= 0.9 * prompt_one, (one.usage, two.usage)
     finally:
         assert server.stop() == 0
+
+
+def test_opencode_answers_a_one_shot_prompt(served, tmp_path):
+    texts = [e["part"]["text"] for e in opencode(served, tmp_path, QUESTION) if e["type"] == "text"]
+    assert texts == [ANSWER]
+
+
+def test_opencode_runs_the_tool_the_model_calls_and_answers_from_it(served, tmp_path):
+    events = opencode(served, tmp_path, RUN)
+    (use,) = [e["part"] for e in events if e["type"] == "tool_use"]
+    assert use["tool"] == "bash" and use["state"]["input"]["command"] == COMMAND
+    assert use["state"]["status"] == "completed" and use["state"]["output"].strip() == OUTPUT
+    assert [e["part"]["text"] for e in events if e["type"] == "text"] == [PRINTED]
+
+
+def test_aider_answers_a_one_shot_prompt(served, tmp_path):
+    assert ANSWER in aider(served, tmp_path, QUESTION).splitlines()

@@ -1,7 +1,8 @@
 """A tiny model that does one agent's turn for real: asked to run a command, it calls the
-agent's own shell tool (Claude Code's ``Bash``, Codex's ``exec_command``) in the json_tools
-markup, and once the command's output comes back it says what it printed; asked what a list
-is, it answers in a line. Trained here in seconds (tests/support/toolmodel.py's trainer).
+agent's own shell tool (Claude Code's ``Bash``, Codex's ``exec_command``, OpenCode's
+``bash``) in the json_tools markup, and once the command's output comes back it says what
+it printed; asked what a list is, it answers in a line. Trained here in seconds
+(tests/support/toolmodel.py's trainer).
 
 Its chat template shows it only what it needs: which of the agents' shell tools the request
 offers, the last line of each user turn (the last of consecutive ones: Codex sends its
@@ -17,8 +18,9 @@ from pathlib import Path
 from tests.support.toolmodel import EOS, train_chat_model
 
 SHELLS = {  # the agent's shell tool -> the call that runs COMMAND
-    "Bash": lambda cmd: {"command": cmd, "description": "Print the greeting"},
-    "exec_command": lambda cmd: {"cmd": cmd},
+    "Bash": lambda cmd: {"command": cmd, "description": "Print the greeting"},  # Claude Code
+    "exec_command": lambda cmd: {"cmd": cmd},  # Codex
+    "bash": lambda cmd: {"command": cmd, "description": "Print the greeting"},  # OpenCode
 }
 COMMAND = "echo hello-agent"
 OUTPUT = "hello-agent"
@@ -42,8 +44,8 @@ TEMPLATE = (
     "{%- elif message.role == 'tool' %}<|im_start|>tool\n"
     "{{ (message.content | trim).split('\n') | last }}" + EOS + "\n"
     "{%- elif message.role == 'user' and (loop.last or loop.nextitem.role != 'user') %}"
-    "<|im_start|>user\n"
-    "{{ (message.content | trim).split('\n') | last }}" + EOS + "\n"
+    "<|im_start|>user\n"  # OpenCode sends `opencode run "text"` quoted: the quotes go
+    "{{ (message.content | trim).split('\n') | last | trim('\"') }}" + EOS + "\n"
     "{%- endif %}{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
