@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -28,28 +29,37 @@ SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum":
           "minItems": 40, "maxItems": 40}  # fmt: skip
 
 
-def corpus() -> list[str]:
-    """pydoc's topics and the text of Python's own modules: enough for a 32k vocabulary."""
+def corpus(vocab: int = 32768) -> list[str]:
+    """pydoc's topics and the text of Python's own modules, and for a vocabulary past 64k
+    the installed packages' sources too: about 800 bytes of text per token (151,936 tokens,
+    Qwen's vocabulary, from 120 MB)."""
     import sysconfig
     from pydoc_data.topics import topics
 
     texts = list(topics.values())
-    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))[:1500]:
+    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))[:1500]
+    if vocab > 65536:
+        paths = [*sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")),
+                 *sorted(Path(sysconfig.get_paths()["purelib"]).rglob("*.py"))]  # fmt: skip
+    size = 0
+    for f in paths:
         try:
             texts.append(f.read_text(errors="replace"))
         except OSError:
-            pass
+            continue
+        size += len(texts[-1])
+        if vocab > 65536 and size > vocab * 800:
+            break
     return texts
 
 
 def make_bench_model(out: Path, vocab: int) -> Path:
-    import tiny
-
+    from tests.support import tiny
     from tests.support.tiny import make_model
     from tests.support.tiny import train_tokenizer as real
 
     def bigger(o, vocab_size=512, chat_template=None, extra_special=(), corpus_=None, **kw):
-        return real(o, vocab, chat_template, extra_special, corpus=corpus(), **kw)
+        return real(o, vocab, chat_template, extra_special, corpus=corpus(vocab), **kw)
 
     tiny.train_tokenizer = bigger
     try:
@@ -77,12 +87,19 @@ def round_(port: int, model: str, streams: int, max_tokens: int, constrained: bo
         if constrained:
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "n", "schema": SCHEMA}}  # fmt: skip
-        return post(port, body)["usage"]["completion_tokens"]
+        got = post(port, body)
+        t = got.get("timings") or {}
+        if t.get("predicted_ms"):  # this request's decode alone, its prefill left out
+            DECODE.append(t["predicted_n"] / t["predicted_ms"] * 1000)
+        return got["usage"]["completion_tokens"]
 
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         tokens = sum(pool.map(one, range(streams)))
     return tokens / (time.perf_counter() - start)
+
+
+DECODE: list[float] = []  # each request's decode tokens/s (its stream's), of the last round
 
 
 def mask_time(model_dir: Path, repeat: int = 200) -> float:
@@ -113,34 +130,50 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--modes", default="pipeline,tensor")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--eight-b", type=Path, metavar="TOKENIZER_DIR",
+                        help="a random Llama-3-8B-shaped bf16 model with this tokenizer "
+                        "(a GPU host: tests/bench/gpu.py), made under --model")  # fmt: skip
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
+    if args.eight_b:
+        from tests.bench.gpu import make_8b
+
+        make_8b(Path(args.model), args.eight_b)
     model = Path(args.model) if args.model else make_bench_model(tmp / "bench", args.vocab)
-    bin_ = Path(sys.executable).parent / "mlx-cluster"
+    bin_ = shutil.which("mlx-cluster") or Path(sys.executable).parent / "mlx-cluster"
     rows = []
     for mode in args.modes.split(","):
         port = free_port()
         proc = start([str(bin_), "serve", "--model", str(model), "--mode", mode, "--port",
-                      str(port), "--no-measure-links"])  # fmt: skip
+                      str(port), "--no-measure-links", "-n", str(args.ranks)])  # fmt: skip
         try:
             wait_up(port, proc)
             post(port, {"model": model.name, "prompt": "warm", "max_tokens": 4})
             post(port, {"model": model.name, "prompt": "warm", "max_tokens": 4,
                         "response_format": {"type": "json_object"}})  # fmt: skip
             free, constrained, first = [], [], 0
+            streams: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(args.repeat):
                 for kind, out in ((False, free), (True, constrained)):
+                    DECODE.clear()
                     out.append(round_(port, model.name, args.streams, args.max_tokens, kind, first))
+                    streams[kind].append(statistics.median(DECODE) if DECODE else 0.0)
                     first += args.streams
-                    print(f"{mode} {'schema' if kind else 'free'}: {out[-1]:.1f} tok/s",
+                    print(f"{mode} {'schema' if kind else 'free'}: {out[-1]:.1f} tok/s, each "
+                          f"stream decoding at {streams[kind][-1]:.1f}",
                           file=sys.stderr)  # fmt: skip
+            print(f"{mode} per-stream decode tok/s, median of rounds: free "
+                  f"{statistics.median(streams[False]):.1f} {streams[False]}, schema "
+                  f"{statistics.median(streams[True]):.1f} {streams[True]}")  # fmt: skip
             rows.append((mode, statistics.median(free), statistics.median(constrained),
                          min(free), max(free), min(constrained), max(constrained)))  # fmt: skip
         finally:
             stop([proc])
     per_mask = mask_time(model)
     print(f"| mode | free tok/s | JSON schema tok/s | ratio |  ({args.streams} streams x "
-          f"{args.max_tokens} tokens, 2 ranks, median of {args.repeat} [min-max])")  # fmt: skip
+          f"{args.max_tokens} tokens, {args.ranks} ranks, median of {args.repeat} "
+          "[min-max])")  # fmt: skip
     print("|---|---|---|---|")
     for mode, f, c, f0, f1, c0, c1 in rows:
         print(f"| {mode} | {f:.1f} [{f0:.1f}-{f1:.1f}] | {c:.1f} [{c0:.1f}-{c1:.1f}] | "

@@ -71,20 +71,33 @@ def card(out: Path) -> dict:
     return info
 
 
-def make_8b(path: Path) -> Path:
+def make_8b(path: Path, tokenizer_from: Path | None = None) -> Path:
     """A random Llama-3-8B-shaped model in bf16 (weights ~N(0, 0.02)), with a small trained
-    tokenizer; made on the GPU, a layer at a time."""
+    tokenizer, or the one in ``tokenizer_from`` (its vocabulary sets the model's: 151,936
+    for constrained decoding's cost, tests/bench/constrained_bench.py); made on the GPU, a
+    layer at a time."""
     if (path / "config.json").exists():
         return path
+    import shutil
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
+    from transformers import AutoTokenizer
 
     from tests.support.tiny import save_sharded, train_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(path, EIGHT_B["vocab_size"])
-    config = {**EIGHT_B, "eos_token_id": tok.eos_token_id, "torch_dtype": "bfloat16"}
+    if tokenizer_from is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokenizer_from / name, path / name)
+        tok = AutoTokenizer.from_pretrained(path)
+        vocab = len(tok)
+    else:
+        tok = train_tokenizer(path, EIGHT_B["vocab_size"])
+        vocab = EIGHT_B["vocab_size"]
+    config = {**EIGHT_B, "vocab_size": vocab, "eos_token_id": tok.eos_token_id,
+              "torch_dtype": "bfloat16"}  # fmt: skip
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     weights = {}
