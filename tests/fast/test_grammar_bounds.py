@@ -234,3 +234,18 @@ def test_a_grammar_s_matcher_counts_against_the_memory_of_the_answers_under_way(
     constrained = SharedRequest(Sampling(max_tokens=10), [1] * 10, Grammar("x"))
     assert ns.needed(plain, 500) == 20 and ns.needed(constrained, 500) == 520
     assert node_grammar.MATCHER_BYTES == grammar.LIMITS["max_lexer_states"] * 2048
+
+
+def test_a_bitmask_expanded_on_the_device_allows_what_numpy_unpacks():
+    """A GPU rank expands llguidance's bitmask in the step's graph (node.decode.grammar:
+    device_mask); a CPU rank unpacks it with numpy: the same tokens, for any logits width."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    words = rng.integers(-(2**31), 2**31, size=(1, 4749), dtype=np.int64).astype(np.int32)
+    for width in (151_936, 151_968, 152_064, 1000):  # the mask's, past it, short of it
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+        expected = np.zeros(width, dtype=bool)
+        expected[: min(len(bits), width)] = bits[:width].astype(bool)
+        got = np.array(node_grammar.device_mask(words[0], width))
+        assert got.shape == (width,) and (got == expected).all(), width
