@@ -403,19 +403,6 @@ def test_agent_loops_through_every_api_at_once(agents):
             assert text == final_answer(city), (api, city)
 
 
-def test_tensor_mode_agent_loop(tool_model):
-    served = Served(tool_model, "--mode", "tensor")
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="x")
-        first, second = chat_loop(client, tool_model.name, "Oslo", stream=True)
-        assert json.loads(first.choices[0].message.tool_calls[0].function.arguments) == {
-            "city": "Oslo"
-        }
-        assert second.choices[0].message.content == final_answer("Oslo")
-    finally:
-        assert served.stop() == 0
-
-
 def test_a_client_that_leaves_each_stream_frees_the_server(agents):
     """A client that reads the first event of a Messages or Responses stream and hangs up:
     its answer is dropped on every rank, and the next request is answered."""

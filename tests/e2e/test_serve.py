@@ -396,6 +396,16 @@ def test_a_chained_response_is_answered_from_the_stored_conversation(server):
         client.responses.create(model="m", previous_response_id=second.id, input="More")
 
 
+def test_a_model_without_a_tool_format_answers_forced_calls_as_json(server):
+    """This server's model has no tool-call format (its template renders no tools): a
+    forced call is decoded as the arguments' JSON under the schema and returned as the call,
+    in every dialect (tests/e2e/test_tool_formats.py: the model's own format)."""
+    from tests.e2e.test_tool_formats import clients, forced_calls_follow_their_schemas
+
+    clients(server, "m")
+    forced_calls_follow_their_schemas(server)
+
+
 def test_api_key(tmp_path):
     from tests.support.tiny import make_model
 

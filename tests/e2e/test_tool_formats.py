@@ -1,10 +1,10 @@
 """Forced and strict tool calls beyond JSON markup, through serve on two ranks, driven by the
 official clients at temperature > 0: a model that speaks Qwen3-Coder's XML calls (its
-``<tool_call>`` markers single tokens, as in Qwen's tokenizer) served in tensor mode, and a
-model without any tool-call format served in pipeline mode (a forced call answered as JSON
-and returned as the call). Every call validates against its tool's schema; a strict tool with
-``tool_choice`` auto is served, never refused. Each family's grammar, sampled at random:
-tests/fast/test_tool_formats.py."""
+``<tool_call>`` markers single tokens, as in Qwen's tokenizer) served in tensor mode. (A model
+without any tool-call format, a forced call answered as JSON and returned as the call:
+tests/e2e/test_serve.py, on its pipeline server.) Every call validates against its tool's
+schema; a strict tool with ``tool_choice`` auto is served, never refused. Each family's
+grammar, sampled at random: tests/fast/test_tool_formats.py."""
 
 from __future__ import annotations
 
@@ -38,26 +38,24 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 SAMPLES = 2
 
 
-@pytest.fixture(scope="module", params=[("qwen3_coder", "tensor"), (None, "pipeline")],
-                ids=["qwen3_coder-tensor", "no-format-pipeline"])  # fmt: skip
-def served(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
     from tests.support.tiny import make_model
 
-    family, mode = request.param
-    out = tmp_path_factory.mktemp("formats") / (family or "plain")
-    if family:
-        model = make_model(out, "qwen2", seed=3, chat_template=QWEN3_CODER,
-                           extra_special=["<tool_call>", "</tool_call>"])  # fmt: skip
-    else:
-        model = make_model(out, "qwen2", seed=3, chat_template=True)
-    server = Served(model, "--mode", mode)
+    out = tmp_path_factory.mktemp("formats") / "qwen3_coder"
+    model = make_model(out, "qwen2", seed=3, chat_template=QWEN3_CODER,
+                       extra_special=["<tool_call>", "</tool_call>"])  # fmt: skip
+    server = Served(model, "--mode", "tensor")
+    clients(server, model.name)
+    yield server
+    server.stop_clean()
+
+
+def clients(server: Served, model_id: str) -> None:
     url = f"http://127.0.0.1:{server.port}"
     server.openai = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     server.anthropic = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
-    server.model_id = model.name
-    server.family = family
-    yield server
-    server.stop_clean()
+    server.model_id = model_id
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +70,7 @@ def valid(calls) -> None:
                             SCHEMAS[name])  # fmt: skip
 
 
-def test_forced_calls_follow_their_schemas_in_every_dialect(served):
+def forced_calls_follow_their_schemas(served) -> None:
     chat = served.openai.chat.completions
     for seed in range(SAMPLES):
         ask = {
@@ -107,6 +105,10 @@ def test_forced_calls_follow_their_schemas_in_every_dialect(served):
         tools=[{"type": "function", **t["function"]} for t in TOOLS],
         tool_choice={"type": "function", "name": "get_time"})  # fmt: skip
     valid([(o.name, o.arguments) for o in r.output if o.type == "function_call"])
+
+
+def test_forced_calls_follow_their_schemas_in_every_dialect(served):
+    forced_calls_follow_their_schemas(served)
 
 
 def test_a_strict_tool_with_tool_choice_auto_is_served(served):
