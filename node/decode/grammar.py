@@ -238,8 +238,15 @@ class Constrained:
         n = history.shape[-1]
         if self.start is None:
             self.start = n
-        mx.async_eval(logits)  # the step's forward runs while the matcher works
-        new = host_ints(history[self.start + self.fed :]) if n > self.start + self.fed else []
+        # The tokens the matcher has not seen (the last one, sampled by the step before)
+        # are scheduled before this step's forward, which then runs while the matcher
+        # works; read after, they wait only for the step before. (Sliced after the forward
+        # was scheduled, the slice waited for the forward too: a bubble on a GPU, 0.68x.)
+        unseen = history[self.start + self.fed :] if n > self.start + self.fed else None
+        if unseen is not None:
+            mx.async_eval(unseen)
+        mx.async_eval(logits)
+        new = host_ints(unseen) if unseen is not None else []
         self.fed += len(new)
         if self.waiting:
             seen = len(self.tail)

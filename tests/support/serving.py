@@ -20,7 +20,10 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
+try:
+    import openai
+except ImportError:  # a GPU host measuring with fresh_serve alone has no client
+    openai = None  # type: ignore[assignment]
 
 from cluster.core.hostfile import parse_hostfile
 from cluster.core.protocol import Piece, Serving
