@@ -197,7 +197,7 @@ def test_responses_instructions_max_output_tokens_and_refusals(agents):
     )
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3
-    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+    with pytest.raises(openai.NotFoundError, match="'resp_x'.* is not kept"):
         agents.openai.responses.create(
             model=agents.model_id, input="hi", previous_response_id="resp_x"
         )
