@@ -205,12 +205,15 @@ def chat(**values):
     "responses_store_hours",
 )
 def serve(**values):
-    """Serve the model with OpenAI's and Anthropic's APIs until Ctrl-C; the API outlives the
-    ranks.
+    """Serve the model with OpenAI's, Anthropic's and Ollama's APIs until Ctrl-C; the API
+    outlives the ranks.
 
-    Endpoints: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), POST
-    /v1/messages and /v1/messages/count_tokens (Anthropic), streaming with SSE or not; GET
-    /v1/models, /health, /metrics (Prometheus). Tool calls come back parsed (mlx-lm's parser
+    Endpoints: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI; responses
+    are kept for previous_response_id and GET/DELETE /v1/responses/ID), POST /v1/messages and
+    /v1/messages/count_tokens (Anthropic), streaming with SSE or not; POST /api/chat,
+    /api/generate, /api/show and GET /api/tags, /api/ps, /api/version (Ollama, streaming a
+    JSON object per line); GET /v1/models, /health, /metrics (Prometheus). Tool calls come
+    back parsed (mlx-lm's parser
     of the model's family), reasoning apart from the answer, logprobs when asked; the key
     (--api-key) is accepted as a bearer token or x-api-key. The API runs in this process, on
     this machine; rank 0 gets each request over the job's own channel. Concurrent requests are
