@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Constrained decoding's cost on a lent GPU (docs/benchmarks.md, "Constrained decoding with a
+# 151,936-token vocabulary"): the device machine has no package index and takes at most 64 MiB
+# a call, and MLX's CUDA wheel is 90 MB, so the wheels go in three carried folders, each call
+# made while the machine is still warm (30 s), and are installed by the third.
+#
+#   here:   bash tests/bench/gpu_carry.sh prepare TOKENIZER_DIR   # .gpuwhl/{a,b,c}
+#           echo /.gpuwhl/ >> .git/info/exclude
+#   device: call 1, carry .gpuwhl/a:  bash tests/bench/gpu_carry.sh a
+#           call 2, carry .gpuwhl/b:  bash tests/bench/gpu_carry.sh b
+#           call 3, carry .gpuwhl/c:  bash tests/bench/gpu_carry.sh run
+#
+# TOKENIZER_DIR: a model folder whose tokenizer.json has the vocabulary to measure (made by
+# `python -m tests.bench.constrained_bench --vocab 151936 ...`, or make_bench_model).
+set -euo pipefail
+case "${1:-}" in
+prepare)
+  tok=$2; w=$(mktemp -d)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$w" mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2 \
+    llguidance==1.9.1 paramiko bcrypt pynacl cryptography cffi pycparser invoke \
+    prometheus-client
+  rm -rf .gpuwhl && mkdir -p .gpuwhl/a .gpuwhl/b/tok .gpuwhl/c
+  split -b 30000000 "$w"/mlx_cuda_13-*.whl "$w"/part.
+  mv "$w"/part.aa .gpuwhl/a/ && mv "$w"/part.ab .gpuwhl/b/ && mv "$w"/part.ac .gpuwhl/c/
+  rm "$w"/mlx_cuda_13-*.whl && mv "$w"/*.whl .gpuwhl/a/
+  cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json .gpuwhl/b/tok/ ;;
+a) mkdir -p /tmp/w && cp .gpuwhl/a/* /tmp/w/ ;;
+b) cp .gpuwhl/b/part.ab /tmp/w/ && mkdir -p /tmp/tok && cp .gpuwhl/b/tok/* /tmp/tok/ ;;
+run)
+  if [ ! -d /tmp/site/mlx ]; then
+    cp .gpuwhl/c/part.ac /tmp/w/
+    cat /tmp/w/part.aa /tmp/w/part.ab /tmp/w/part.ac \
+      > /tmp/w/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+    rm /tmp/w/part.*
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/site /tmp/w/*.whl
+  fi
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  mkdir -p /tmp/bin
+  printf '#!/bin/sh\nexec python3 -c "import sys; sys.argv[0] = %s; from cluster.commands import main; main()" "$@"\n' "'mlx-cluster'" > /tmp/bin/mlx-cluster
+  chmod +x /tmp/bin/mlx-cluster
+  export PATH=/tmp/bin:$PATH
+  for streams in 1 8; do
+    python3 -m tests.bench.constrained_bench --model /tmp/m8b --eight-b /tmp/tok --ranks 1 \
+      --modes pipeline --streams $streams --repeat 5 --max-tokens 64 2>&1 | tee "$OUT/gpu$streams.txt"
+  done ;;
+*) echo "usage: $0 prepare TOKENIZER_DIR | a | b | run" >&2; exit 2 ;;
+esac
