@@ -157,10 +157,27 @@ def error_body(e: RequestError) -> dict:
     return {"error": str(e)}
 
 
-class OllamaChat:
+class OllamaEndpoint:
+    """What Ollama's two answering routes share: streamed unless told ``"stream": false``
+    (the HTTP server reads ``streams``), their stream, their error shape."""
+
+    streams = True
+    kind = ""
+
+    def events(self, req: ApiRequest) -> OllamaStream:
+        return OllamaStream(req, self.kind)
+
+    def error_body(self, e: RequestError) -> dict:
+        return error_body(e)
+
+    def echo(self, body: dict) -> dict:
+        return {}
+
+
+class OllamaChat(OllamaEndpoint):
     """POST /api/chat."""
 
-    streams = True  # Ollama streams unless told ``"stream": false``
+    kind = "chat"
 
     def parse(self, body: Any, door: Door) -> ServeRequest:
         body = served_name(check_object(body), door)
@@ -178,21 +195,12 @@ class OllamaChat:
         return {"model": req.model, "created_at": created_at(), "message": message,
                 "done": True, **final_counts(req, answer.result)}  # fmt: skip
 
-    def events(self, req: ApiRequest) -> OllamaStream:
-        return OllamaStream(req, "chat")
 
-    def error_body(self, e: RequestError) -> dict:
-        return error_body(e)
-
-    def echo(self, body: dict) -> dict:
-        return {"stream": body.get("stream", True) is not False}
-
-
-class OllamaGenerate:
+class OllamaGenerate(OllamaEndpoint):
     """POST /api/generate: ``prompt`` (and ``system``) through the chat template, or as it is
     with ``raw``."""
 
-    streams = True
+    kind = "generate"
 
     def parse(self, body: Any, door: Door) -> ServeRequest:
         body = served_name(check_object(body), door)
@@ -215,15 +223,6 @@ class OllamaGenerate:
         if answer.reasoning:
             out["thinking"] = answer.reasoning
         return out
-
-    def events(self, req: ApiRequest) -> OllamaStream:
-        return OllamaStream(req, "generate")
-
-    def error_body(self, e: RequestError) -> dict:
-        return error_body(e)
-
-    def echo(self, body: dict) -> dict:
-        return {"stream": body.get("stream", True) is not False}
 
 
 class OllamaStream:
