@@ -196,6 +196,8 @@ def chat(**values):
     "allowed_hosts",
     "cors_origins",
     "served_model_name",
+    "replicas",
+    "routing",
     "drain_timeout",
     "max_restarts",
     "restart_window_s",

@@ -18,7 +18,9 @@ import yaml
 from cluster.core.backends import BACKENDS
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
-TOP_KEYS = ("backend", "python", "model_dir", "env", "ssh", "hosts")
+TOP_KEYS = ("backend", "python", "model_dir", "env", "ssh", "hosts", "groups")
+GROUP_KEYS = ("hosts", "mode")
+MODES = ("pipeline", "tensor")
 HOST_KEYS = ("ssh", "ips", "rdma", "slots", "gpus", "memory_gb", "python", "cwd", "model_dir")
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts")
 
@@ -62,6 +64,15 @@ class Host:
 
 
 @dataclass
+class HostGroup:
+    """``serve``: hosts that hold one whole copy of the model (a group of ranks; the
+    hostfile's ``groups:``), in its own mode if it names one."""
+
+    hosts: list[int]  # host indices, in rank order
+    mode: str | None = None
+
+
+@dataclass
 class Hostfile:
     hosts: list[Host]
     backend: str = "ring"
@@ -70,6 +81,7 @@ class Hostfile:
     ssh: SSHOptions = field(default_factory=SSHOptions)
     path: str | None = None
     model_dir: str | None = None
+    groups: list[HostGroup] = field(default_factory=list)  # serve's groups; none: one
 
     def model_dir_of(self, host: Host) -> str | None:
         """The directory that holds this host's synced models (its own, else the file's)."""
@@ -177,7 +189,54 @@ def parse_hostfile(data: Any, where: str = "<hostfile>") -> Hostfile:
     model_dir = _opt_str(data.get("model_dir"), "model_dir", fail)
     hostfile = Hostfile(hosts, backend, python, env, ssh, where, model_dir)
     _check_rdma(hostfile, where)
+    if data.get("groups") is not None:
+        hostfile.groups = _groups(data["groups"], hosts, fail)
+        if any(h.rdma for h in hosts):
+            raise fail(
+                "field 'groups': a JACCL hostfile's rdma matrix spans all its hosts; give each "
+                "group a hostfile of its own (one serve per group) or use the ring backend"
+            )
     return hostfile
+
+
+def _groups(raw: Any, hosts: list[Host], fail) -> list[HostGroup]:
+    """``groups:`` a list of {hosts: [ssh target or index, ...], mode: pipeline|tensor}; every
+    host in exactly one group."""
+    if not isinstance(raw, list) or not raw:
+        raise fail("field 'groups' must be a non-empty list of {hosts: [...], mode: ...}")
+    by_name = {h.target: h.index for h in hosts}
+    owner: dict[int, int] = {}
+    groups = []
+    for g, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            raise fail(f"group {g}: must be a mapping with 'hosts:' (and optionally 'mode:')")
+        unknown = sorted(set(entry) - set(GROUP_KEYS))
+        if unknown:
+            raise fail(f"group {g}: unknown field(s) {', '.join(unknown)}; known: "
+                       f"{', '.join(GROUP_KEYS)}")  # fmt: skip
+        names = entry.get("hosts")
+        if not isinstance(names, list) or not names:
+            raise fail(f"group {g}: field 'hosts' must be a non-empty list of the hosts' ssh "
+                       "targets (or their indices)")  # fmt: skip
+        members = []
+        for name in names:
+            index = name if isinstance(name, int) and not isinstance(name, bool) else None
+            index = by_name.get(name) if index is None and isinstance(name, str) else index
+            if index is None or not 0 <= index < len(hosts):
+                raise fail(f"group {g}: host {name!r} is not in 'hosts' (known: "
+                           f"{', '.join(by_name)})")  # fmt: skip
+            if index in owner:
+                raise fail(f"group {g}: {hosts[index].label} is already in group {owner[index]}")
+            owner[index] = g
+            members.append(index)
+        mode = entry.get("mode")
+        if mode is not None and mode not in MODES:
+            raise fail(f"group {g}: field 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
+        groups.append(HostGroup(members, mode))
+    left = [h.label for h in hosts if h.index not in owner]
+    if left:
+        raise fail(f"field 'groups': {', '.join(left)} in no group (every host serves in one)")
+    return groups
 
 
 def _opt_str(value: Any, name: str, fail) -> str | None:
@@ -356,6 +415,12 @@ def hostfile_data(hostfile: Hostfile) -> dict[str, Any]:
                 entry[key] = getattr(h, key)
         hosts.append(entry)
     data["hosts"] = hosts
+    if hostfile.groups:
+        by_index = {h.index: h for h in hostfile.hosts}
+        data["groups"] = [
+            {"hosts": [by_index[i].target for i in g.hosts], **({"mode": g.mode} if g.mode else {})}
+            for g in hostfile.groups
+        ]
     return data
 
 

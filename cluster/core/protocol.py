@@ -249,6 +249,19 @@ class BenchComm:
     allsum_samples: int | None = None
 
 
+@dataclass
+class Cached:
+    """Serve: the prompt prefixes rank 0's prompt cache holds now (cluster.core.prefix's
+    link names, memory and disk tier; at most ``MOST_CACHED``), for the fleet's router.
+    Sent when they change, whole (a router that missed one is right again at the next)."""
+
+    kind = "cached"
+    links: list[str]
+
+
+MOST_CACHED = 4096  # links one Cached event names (the most recent first)
+
+
 Event = (
     Beat
     | Phase
@@ -271,13 +284,14 @@ Event = (
     | BenchRun
     | BenchComm
     | LinkReport
+    | Cached
 )
 EVENTS: dict[str, type] = {cls.kind: cls for cls in typing.get_args(Event)}
 # What only rank 0 says: the answers' text and ends, the serve and chat loop's own events.
 # The same from another rank is that rank's fault (a Wake from rank k would write WAKE into
 # rank 0's request channel, and the launcher would take its Pieces as an answer's).
 RANK0_ONLY = (Piece, ToolCall, Counted, Admitted, Refused, Serving, Wake, Stats, Prefill,
-              FirstToken, AwaitingInput, BenchRun, LinkReport)  # fmt: skip
+              FirstToken, AwaitingInput, BenchRun, LinkReport, Cached)  # fmt: skip
 
 
 class BadEvent(ValueError):

@@ -193,6 +193,22 @@ class ServeSettings:
         envvar="MLX_CLUSTER_API_KEY",
         show_default=False,
     )
+    replicas: int = param(
+        1,
+        Range(1, 64, integer=True),
+        "Groups of ranks, each a whole copy of the model, behind this one endpoint: the "
+        "ranks (-n N, or the hostfile's hosts in order) split into R groups of N/R. Requests "
+        "go to the group holding their longest cached prefix, else the least loaded "
+        "(--routing); a failed group restarts alone while the others answer. A hostfile's "
+        "'groups:' names the groups instead.",
+    )
+    routing: str = param(
+        "prefix",
+        help="How a fleet's requests find a group: prefix (the longest cached prefix, then "
+        "the least work; a session stays on its group), least-loaded (the least work), "
+        "round-robin.",
+        choices=("prefix", "least-loaded", "round-robin"),
+    )
     drain_timeout: float = param(
         30.0,
         Range(0),

@@ -92,6 +92,8 @@ class JobLink(Protocol):
 
     def on_event(self, rank: int, event: Event) -> None: ...
 
+    running: Running | None  # the job under way (run_job sets it)
+
     def draining(self, tell: bool = False) -> None:
         """The user asked for a drain (SIGINT/SIGTERM): refuse new requests; with ``tell``,
         write END_OF_INPUT to rank 0 after every request already sent (one channel, one
@@ -301,6 +303,8 @@ class RankWatch:
             except queue.Empty:
                 self.check_liveness()
                 continue
+            if kind == "interrupt":  # Running.interrupt: a signal another thread took
+                raise Interrupted(payload)
             state = self.state.ranks[rank]
             state.last_seen = time.monotonic()
             if kind == "out":
@@ -450,9 +454,12 @@ def run_job(
     started: float | None = None,
     stdin: IO[bytes] | None = None,
     link: JobLink | None = None,
+    trap: bool = True,
 ) -> JobResult:
     """Run the job to the end; raises LaunchError (with an exit code) on any failure.
-    ``link`` (serve) is told when the ranks start and end, and gets every event."""
+    ``link`` (serve) is told when the ranks start and end, and gets every event. Without
+    ``trap`` (a fleet's group, on a thread of its own) the job takes no signal: the caller
+    acts through ``link.running`` (its drain, ``interrupt``)."""
     launch = launch or LaunchSettings()
     stdout = stdout or sys.stdout.buffer
     stdin = stdin or sys.stdin.buffer
@@ -470,11 +477,15 @@ def run_job(
     watch: RankWatch | None = None
 
     running = Running(spec, link, stderr)
-    previous = trap_for(running)
+    previous = trap_for(running) if trap else {}
+    if link is not None:
+        link.running = running
     try:
         ranks, clients = open_ranks(hostfile, launches, job_dir, launch.accept_new_host_keys)
         watch = RankWatch(ranks, spec.command, launch, stdout, stderr, started, stdin, link)
         running.watch = watch
+        if running.stopped is not None:  # interrupted before there was a watch to tell
+            watch.events.put(("interrupt", 0, running.stopped))
         what = f"{spec.mode} mode, model {spec.model}" if spec.model else "to measure the links"
         log(stderr, f"starting {len(ranks)} rank(s), {hostfile.backend} backend, {what}")
         for note in notes:

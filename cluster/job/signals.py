@@ -35,6 +35,14 @@ class Running:
     link: Any  # cluster.job.launcher.JobLink (serve) or None
     stderr: IO[str]
     watch: Any = None
+    stopped: int | None = None  # the signal ``interrupt`` was given
+
+    def interrupt(self, signum: int) -> None:
+        """Stop the job as a signal would, from another thread (a fleet's groups run on
+        threads, and only the main thread takes signals)."""
+        self.stopped = signum  # first: run_job reads it once the watch is set
+        if self.watch is not None:
+            self.watch.events.put(("interrupt", 0, signum))
 
     def tell_rank0(self, message: bytes, note: str) -> bool:
         """Write ``message`` to rank 0's stdin and say ``note``; False if it cannot be told

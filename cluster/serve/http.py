@@ -50,6 +50,7 @@ from cluster.serve.api.shared import (
     ascii_digits,
     error_body,
     loads,
+    session_of,
 )
 from cluster.serve.api.stored import ResponseStore
 
@@ -528,6 +529,7 @@ class Handler(BaseHTTPRequestHandler):
         stream = bool(body.get("stream", getattr(endpoint, "streams", False)))
         stream = stream and request.kind != "count"
         req = ApiRequest(endpoint, request, stream, service.model_id, endpoint.echo(body))
+        req.session = session_of(body)
         del body  # what the answer repeats is in req.echo; the rest is not kept
         service.submit(req)
         try:

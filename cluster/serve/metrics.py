@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -16,9 +17,14 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class Metrics:
-    def __init__(self, ranks: Callable[[], list]):
-        """``ranks``: the running job's RankStates (empty while none runs)."""
+    def __init__(self, ranks: Callable[[], list], groups: Callable[[], list] | None = None):
+        """``ranks``: the running job's RankStates (empty while none runs). A fleet
+        (cluster.serve.fleet) gives ``groups`` instead: each group's index, RankStates and
+        Load; the per-rank gauges then carry a ``group`` label."""
         self.ranks = ranks
+        self.groups = groups
+        self.waiting_by_group: dict[int, int] = {}
+        rank_labels = ["group", "rank", "host"] if groups else ["rank", "host"]
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "mlx_cluster_requests", "API requests by how they ended (HTTP status, or "
@@ -57,17 +63,40 @@ class Metrics:
         )
         self.peak_memory = Gauge(
             "mlx_cluster_rank_peak_memory_bytes", "Each rank's peak memory (MLX)",
-            ["rank", "host"], registry=r,
+            rank_labels, registry=r,
         )  # fmt: skip
         self.heartbeat_age = Gauge(
             "mlx_cluster_rank_heartbeat_age_seconds", "Since each rank was last heard from",
-            ["rank", "host"], registry=r,
+            rank_labels, registry=r,
         )  # fmt: skip
         self.disk_bytes = Gauge(
             "mlx_cluster_rank_disk_cache_bytes", "Bytes each rank's disk prompt cache has read "
-            "and written since the ranks started", ["rank", "host", "direction"], registry=r,
+            "and written since the ranks started", [*rank_labels, "direction"], registry=r,
         )  # fmt: skip
+        if groups:
+            self.group_ready = Gauge(
+                "mlx_cluster_group_ready", "1 while the group's ranks serve", ["group"],
+                registry=r,
+            )  # fmt: skip
+            self.group_tokens = Gauge(
+                "mlx_cluster_group_queued_prompt_tokens", "Prompt tokens the group has still "
+                "to prefill (estimated until rank 0 counts them)", ["group"], registry=r,
+            )  # fmt: skip
+            self.group_streams = Gauge(
+                "mlx_cluster_group_streams", "Answers the group is streaming", ["group"],
+                registry=r,
+            )  # fmt: skip
+            self.routed = Counter(
+                "mlx_cluster_routed", "Requests sent to each group, by why (prefix: it held "
+                "the longest cached prefix; session: the session's group; load: least work; "
+                "round_robin; rerouted: its group failed)", ["group", "reason"], registry=r,
+            )  # fmt: skip
         self.content_type = CONTENT_TYPE_LATEST
+
+    def waiting(self, group: int, n: int) -> None:
+        """Requests waiting for a group's ranks (the gauge: all groups')."""
+        self.waiting_by_group[group] = n
+        self.queued.set(sum(self.waiting_by_group.values()))
 
     def finished(self, status: int | str) -> None:
         self.requests.labels(status=str(status)).inc()
@@ -88,8 +117,16 @@ class Metrics:
         self.heartbeat_age.clear()
         self.disk_bytes.clear()
         now = time.monotonic()
-        for s in self.ranks():
-            labels = {"rank": str(s.rank), "host": s.host}
+        ranks: list[tuple[dict, Any]] = [({}, s) for s in self.ranks()]
+        if self.groups:
+            ranks = []
+            for g, states, ready, load in self.groups():
+                ranks += [({"group": str(g)}, s) for s in states]
+                self.group_ready.labels(group=str(g)).set(1 if ready else 0)
+                self.group_tokens.labels(group=str(g)).set(load.prompt_tokens)
+                self.group_streams.labels(group=str(g)).set(load.streams)
+        for group, s in ranks:
+            labels = {**group, "rank": str(s.rank), "host": s.host}
             if s.peak_memory_gb is not None:
                 self.peak_memory.labels(**labels).set(s.peak_memory_gb * 1e9)
             if s.disk_bytes is not None:

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -32,9 +33,11 @@ from typing import IO
 from cluster.core.grammar import Failures, digest
 from cluster.core.hostfile import Hostfile
 from cluster.core.modelcheck import model_id
+from cluster.core.prefix import CHARS_PER_TOKEN
 from cluster.core.protocol import (
     END_OF_INPUT,
     Admitted,
+    Cached,
     Counted,
     Event,
     LinkReport,
@@ -50,6 +53,7 @@ from cluster.job.launcher import (
     LaunchError,
     log,
 )
+from cluster.job.signals import Running
 from cluster.job.state import JobState
 from cluster.serve.api.shared import END, RESTART, ApiRequest, Door, RequestError
 from cluster.serve.metrics import Metrics
@@ -57,6 +61,20 @@ from cluster.serve.metrics import Metrics
 REAP_EVERY_S = 0.25
 MOST_FAILURES_SEEN = 1  # a request under way at this many failures is not decoded again
 ASK_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Load:
+    """What a group holds, as the fleet's router weighs it."""
+
+    prompt_tokens: int = 0  # still to prefill
+    streams: int = 0  # answers streaming
+    requests: int = 0  # waiting or under way
+
+
+def estimate_tokens(req: ApiRequest) -> int:
+    """A request's prompt tokens before rank 0 counts them (its characters over 4)."""
+    return req.chain[-1].chars // CHARS_PER_TOKEN if req.chain else 0
 
 
 @dataclass
@@ -122,7 +140,9 @@ class Service:
     Tests make it with ``thread=False``: each call then runs at once, on the caller's
     thread, so a test is a plain sequence of events."""
 
-    def __init__(self, hostfile: Hostfile, spec: JobSpec, stderr: IO[str], thread: bool = True):
+    def __init__(self, hostfile: Hostfile, spec: JobSpec, stderr: IO[str], thread: bool = True,
+                 metrics: Metrics | None = None, group: int = 0):  # fmt: skip
+        self.group = group  # its index in a fleet (cluster.serve.fleet); 0 alone
         self.model_id = model_id(spec.model)
         self.spec = spec
         self.settings = spec.serve
@@ -154,7 +174,16 @@ class Service:
         self.failed_at: float | None = None
         self.served = False  # the ranks were ready once: a later failure is restarted
         self.url = ""
-        self.metrics = Metrics(lambda: list(self.state.ranks) if self.state else [])
+        self.metrics = metrics or Metrics(lambda: list(self.state.ranks) if self.state else [])
+        # for a fleet's router (cluster.serve.fleet), read from other threads: each is
+        # replaced whole, never changed in place
+        self.cached: frozenset[str] = frozenset()  # rank 0's cached prefixes (Cached)
+        self.answered = 0  # answers that ended with their stats
+        self.load = Load()  # the work it holds, measured after each call on its loop
+        # a fleet's: the requests a failed or closed group cannot answer now go to the others
+        # (called on this loop with them; returns those it could not place)
+        self.reroute: Callable[[Service, list[ApiRequest]], list[ApiRequest]] | None = None
+        self.running: Running | None = None  # the job's of the job under way (fleet: signals)
         self.threaded = thread
         if thread:
             threading.Thread(target=self.loop, daemon=True, name="serve").start()
@@ -191,6 +220,23 @@ class Service:
             result = e
         if answer is not None:
             answer.put(result)
+        self.load = self.measure_load()
+
+    def measure_load(self) -> Load:
+        """The prompt tokens it still has to prefill (estimated from the characters until
+        rank 0 counted them) and the answers it is streaming."""
+        tokens, streams = sum(estimate_tokens(r) for r in self.pending), 0
+        for flight in self.inflight.values():
+            req = flight.req
+            if flight.shown:
+                streams += 1
+            elif flight.prefill is not None:
+                tokens += max(0, flight.prefill[1] - flight.prefill[0])
+            elif req.admitted is not None:
+                tokens += max(0, req.admitted[0] - req.admitted[1])
+            else:
+                tokens += estimate_tokens(req)
+        return Load(tokens, streams, len(self.pending) + len(self.inflight))
 
     # the API's side
 
@@ -259,12 +305,12 @@ class Service:
         else:
             self.pending.append(req)
             self.waiting_since[req.id] = time.monotonic()
-            self.metrics.queued.set(len(self.pending))
+            self.metrics.waiting(self.group, len(self.pending))
 
     def drop(self, req: ApiRequest) -> None:
         if req in self.pending:
             self.pending.remove(req)
-            self.metrics.queued.set(len(self.pending))
+            self.metrics.waiting(self.group, len(self.pending))
         flight = self.inflight.get(req.id)
         if flight is not None and not flight.gone:
             flight.gone = True
@@ -328,6 +374,9 @@ class Service:
         if isinstance(event, Serving):
             self.became_ready(event, now)
             return
+        if isinstance(event, Cached):
+            self.cached = frozenset(event.links)
+            return
         if isinstance(event, LinkReport):
             hosts = [s.host for s in self.state.ranks] if self.state else []
             self.links = MeasuredLinks(event, hosts, time.time())
@@ -356,6 +405,7 @@ class Service:
             del self.inflight[req.id]
             req.result = to_dict(event)
             req.chunks.put(END)
+            self.answered += 1
             if not flight.gone:
                 self.metrics.answered(event.usage, event.timings)
                 self.answers.append(Answered.of(event, time.time()))
@@ -382,7 +432,7 @@ class Service:
         while self.pending:
             self.send(self.pending.popleft())
         self.waiting_since.clear()
-        self.metrics.queued.set(0)
+        self.metrics.waiting(self.group, 0)
 
     def ended(self, error: LaunchError | None) -> None:
         """A request rank 0 held whose client has seen nothing yet (any non-streaming one,
@@ -432,7 +482,7 @@ class Service:
         for req in reversed(again):  # first in line, in their order of arrival
             self.pending.appendleft(req)
             self.waiting_since[req.id] = now
-        self.metrics.queued.set(len(self.pending))
+        self.hand_over()
         if again or cut or failure.dropped:
             log(
                 self.stderr,
@@ -440,8 +490,20 @@ class Service:
                 f"{cut} stream(s) cut, {len(failure.dropped)} given up",
             )
 
+    def hand_over(self) -> None:
+        """A fleet's group that cannot answer now gives its waiting requests to the others."""
+        if self.reroute is not None and self.pending:
+            kept = self.reroute(self, list(self.pending))
+            stay = {id(r) for r in kept}
+            for req in self.pending:
+                if id(req) not in stay:
+                    self.waiting_since.pop(req.id, None)
+            self.pending = deque(kept)
+        self.metrics.waiting(self.group, len(self.pending))
+
     def closing(self, why: str) -> None:
         self.closed = True
+        self.hand_over()
         for req in self.pending:
             self.refuse(req, RequestError(503, why, "server_error"))
         self.pending.clear()
@@ -477,7 +539,7 @@ class Service:
             )
             self.refuse(req, RequestError(503, message, "server_error", retry_after=10))
         if late:
-            self.metrics.queued.set(len(self.pending))
+            self.metrics.waiting(self.group, len(self.pending))
 
     def send(self, req: ApiRequest) -> None:
         """To rank 0; a request that cannot be written as a line fails alone (before it is

@@ -10,16 +10,19 @@ import dataclasses
 import itertools
 import signal
 import sys
+import threading
 import time
-from typing import IO
+from typing import IO, cast
 
-from cluster.core.hostfile import Host, Hostfile
+from cluster.core.hostfile import Host, Hostfile, HostfileError
 from cluster.core.spec import JobSpec, LaunchSettings
 from cluster.job.launcher import LaunchError, log, run_job
 from cluster.job.memory import fits
-from cluster.job.signals import Interrupted, restore_signals, trap_signals
+from cluster.job.signals import Interrupted, drain, restore_signals, trap_signals
 from cluster.serve.api.stored import ResponseStore
+from cluster.serve.fleet import Fleet, GroupLog, GroupPlan, plan_groups
 from cluster.serve.http import Api, raise_open_files
+from cluster.serve.metrics import Metrics
 from cluster.serve.service import Service
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # waits for a lost host to answer again
@@ -49,16 +52,31 @@ def serve_until_done(
     started: float | None = None,
     stderr: IO[str] | None = None,
 ) -> int:
-    """The API up until the user stops it; the ranks (re)started under it. The exit code."""
+    """The API up until the user stops it; the ranks (re)started under it, as one group or as
+    a fleet of groups (cluster.serve.fleet). The exit code."""
     stderr = stderr or sys.stderr
     settings = spec.serve
-    service = Service(hostfile, spec, stderr)
+    try:
+        plans = plan_groups(hostfile, spec, launch, settings.replicas)
+    except HostfileError as e:
+        log(stderr, f"error: {e}")
+        return 2
+    fleet: Fleet | None = None
+    if len(plans) == 1:
+        services = [Service(hostfile, spec, stderr)]
+        front: Service | Fleet = services[0]
+    else:
+        metrics = Metrics(lambda: [], groups=lambda: fleet.rank_figures() if fleet else [])
+        logs = [cast(IO[str], GroupLog(stderr, i)) for i in range(len(plans))]
+        services = [Service(p.hostfile, p.spec, logs[i], metrics=metrics, group=i)
+                    for i, p in enumerate(plans)]  # fmt: skip
+        front = fleet = Fleet(services, metrics, settings.routing)
     try:
         api = Api(
             settings.host,
             settings.port,
             settings.api_key,
-            service,
+            front,
             max_body_bytes=int(settings.max_body_mb * (1 << 20)),
             read_timeout=settings.read_timeout,
             max_connections=settings.max_connections,
@@ -78,56 +96,134 @@ def serve_until_done(
         log(stderr, f"warning: {warning}")
     api.start()
     host, port = api.address
-    service.url = f"http://{host}:{port}/v1"
-    log(stderr, f"API on {service.url} (requests wait until the ranks are ready)")
-    restarts = Restarts(settings.max_restarts, settings.restart_window_s)
-    window = f"{settings.restart_window_s / 60:g} min"
+    front.url = f"http://{host}:{port}/v1"
+    log(stderr, f"API on {front.url} (requests wait until the ranks are ready)")
+    try:
+        if fleet is None:
+            return serve_one(services[0], plans[0], started, stderr)
+        for i, plan in enumerate(plans):
+            log(stderr, f"group {i}: {plan.label}")
+        log(stderr, f"{len(plans)} groups; requests routed by {settings.routing}")
+        return serve_groups(services, plans, started, stderr)
+    finally:
+        api.stop()
+
+
+def serve_one(service: Service, plan: GroupPlan, started: float | None, stderr: IO[str]) -> int:
+    """One group, on this thread: each job traps the signals itself (a drain, then a stop)."""
     previous = trap_signals()  # between jobs a signal ends serve; a job traps its own
-    current = hostfile
-    code = 0
     why = "the server is shutting down"
     try:
-        while True:
-            service.hostfile = current
-            try:
-                run_job(current, spec, launch, started=started, stderr=stderr, link=service)
-                error = None
-                if not service.draining_now:
-                    error = LaunchError("error: rank 0 ended the job without being asked to")
-            except LaunchError as e:
-                error = e
-            service.job_ended(error)
-            started = None
-            if error is None:
-                return 0
-            if error.exit_code >= 128 or not service.served:  # stopped, or never started:
-                # a job that fails before it ever served is a setup problem, not a fault
-                if str(error):
-                    stderr.write(f"{error}\n")
-                code = error.exit_code
-                return code
-            service.metrics.restarts.inc()
-            stderr.write(f"{error}\n")
-            if not restarts.allow(time.monotonic()):
-                code = 1
-                why = "serve gave up after too many failures of the ranks"
-                log(stderr, f"{len(restarts.times)} failures within {window} (--max-restarts "
-                            f"{settings.max_restarts}); giving up. The failures:")  # fmt: skip
-                for i, f in enumerate(service.failures, 1):
-                    at = time.strftime("%H:%M:%S", time.localtime(f.at))
-                    log(stderr, f"  {i}. {at} {f.message}")
-                return code
-            current = next_hosts(hostfile, current, error, spec, launch, stderr)
-            log(stderr, f"restarting the ranks (failure {len(restarts.times)} of at most "
-                        f"{settings.max_restarts} within {window})")  # fmt: skip
-    except Interrupted as e:
-        code = 128 + e.signum
-        log(stderr, f"stopped by {signal.Signals(e.signum).name}; no ranks are running")
+        code, why = supervise(service, plan, started, stderr)
         return code
+    except Interrupted as e:
+        log(stderr, f"stopped by {signal.Signals(e.signum).name}; no ranks are running")
+        return 128 + e.signum
     finally:
         restore_signals(previous)
         service.close(why)
-        api.stop()
+
+
+def serve_groups(
+    services: list[Service], plans: list[GroupPlan], started: float | None, stderr: IO[str]
+) -> int:
+    """Every group on a thread of its own; this thread takes the signals: the first SIGINT or
+    SIGTERM drains every group, the next one (or SIGHUP) stops them all."""
+    stop = threading.Event()
+    stopped_by: list[int] = []
+    codes: dict[int, int] = {}
+
+    def run(i: int) -> None:
+        why = "the server is shutting down"
+        try:
+            codes[i], why = supervise(services[i], plans[i], started, services[i].stderr, stop)
+        except Interrupted as e:
+            codes[i] = 128 + e.signum
+        finally:
+            services[i].close(why)
+
+    def on_signal(signum, frame) -> None:
+        if not stopped_by and signum in (signal.SIGINT, signal.SIGTERM) and not draining[0]:
+            draining[0] = True
+            for s in services:
+                if s.running is None or not drain(s.running):
+                    s.draining()
+                    if s.running is not None:
+                        s.running.interrupt(signum)
+            return
+        stopped_by.append(signum)
+        stop.set()
+        for s in services:
+            if s.running is not None:
+                s.running.interrupt(signum)
+
+    draining = [False]
+    previous = {sig: signal.signal(sig, on_signal)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # fmt: skip
+    threads = [threading.Thread(target=run, args=(i,), name=f"group-{i}", daemon=True)
+               for i in range(len(services))]  # fmt: skip
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.5)
+    finally:
+        restore_signals(previous)
+    if stopped_by:
+        log(stderr, f"stopped by {signal.Signals(stopped_by[0]).name}; no ranks are running")
+        return 128 + stopped_by[0]
+    return next((c for c in codes.values() if c != 0), 0)
+
+
+def supervise(
+    service: Service,
+    plan: GroupPlan,
+    started: float | None,
+    stderr: IO[str],
+    stop: threading.Event | None = None,
+) -> tuple[int, str]:
+    """One group's jobs, restarted after a failure; (exit code, why its requests end).
+    ``stop`` (a fleet's): this group runs on a thread of its own, its jobs trap no signal."""
+    hostfile, spec, launch = plan.hostfile, plan.spec, plan.launch
+    settings = spec.serve
+    restarts = Restarts(settings.max_restarts, settings.restart_window_s)
+    window = f"{settings.restart_window_s / 60:g} min"
+    current = hostfile
+    while True:
+        service.hostfile = current
+        try:
+            run_job(current, spec, launch, started=started, stderr=stderr, link=service,
+                    trap=stop is None)  # fmt: skip
+            error = None
+            if not service.draining_now:
+                error = LaunchError("error: rank 0 ended the job without being asked to")
+        except LaunchError as e:
+            error = e
+        service.job_ended(error)
+        started = None
+        if error is None:
+            return 0, "the server is shutting down"
+        if error.exit_code >= 128 or not service.served or (stop and stop.is_set()):
+            # stopped, or never started: a job that fails before it ever served is a setup
+            # problem, not a fault
+            if str(error):
+                stderr.write(f"{error}\n")
+            return error.exit_code, "the server is shutting down"
+        if service.draining_now:
+            return 0, "the server is shutting down"
+        service.metrics.restarts.inc()
+        stderr.write(f"{error}\n")
+        if not restarts.allow(time.monotonic()):
+            log(stderr, f"{len(restarts.times)} failures within {window} (--max-restarts "
+                        f"{settings.max_restarts}); giving up. The failures:")  # fmt: skip
+            for i, f in enumerate(service.failures, 1):
+                at = time.strftime("%H:%M:%S", time.localtime(f.at))
+                log(stderr, f"  {i}. {at} {f.message}")
+            return 1, "serve gave up after too many failures of the ranks"
+        current = next_hosts(hostfile, current, error, spec, launch, stderr, stop)
+        log(stderr, f"restarting the ranks (failure {len(restarts.times)} of at most "
+                    f"{settings.max_restarts} within {window})")  # fmt: skip
 
 
 def next_hosts(
@@ -137,6 +233,7 @@ def next_hosts(
     spec: JobSpec,
     launch: LaunchSettings,
     stderr: IO[str],
+    stop: threading.Event | None = None,
 ) -> Hostfile:
     """The hosts of the next job: without the lost ones when the model fits the rest, else
     with them once they answer again (waiting with backoff). A host left out earlier comes
@@ -169,5 +266,9 @@ def next_hosts(
         if len(answering(lost)) == len(lost):
             log(stderr, f"{names} answers again")
             return with_hosts(lost)
-        time.sleep(BACKOFF_S[min(i, len(BACKOFF_S) - 1)])
+        wait = BACKOFF_S[min(i, len(BACKOFF_S) - 1)]
+        if stop is None:
+            time.sleep(wait)
+        elif stop.wait(wait):
+            raise Interrupted(signal.SIGTERM)
     raise AssertionError("unreachable")

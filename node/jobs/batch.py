@@ -190,6 +190,10 @@ class Lockstep:
         self.from_disk: dict[int, int] = {}  # the last apply's: uid -> prompt tokens from disk
         self.scopes: dict[int, str] = {}  # uid -> its prompt cache scope (prompt_cache_key)
         self.kept = 0  # answers' caches kept since the bytes were last checked
+        # uid -> the token list its cache is kept under, since rank 0 last read them
+        # (node.jobs.serve.CachedPrefixes: what the fleet's router is told)
+        self.kept_now: dict[int, list[int]] = {}
+        self.report_kept = False  # rank 0 sets it
         self.grammars: dict[int, Constrained] = {}  # uid -> its grammar's processor
         self.last_round = (0.0, 0)  # (seconds, steps) of the last round
 
@@ -318,8 +322,19 @@ class Lockstep:
         if self.disk is not None and response.prompt_cache is not None and scope == MODEL_KEY:
             self.disk.save(list(response.all_tokens), response.prompt_cache)
         if self.prompt_cache is not None and response.prompt_cache is not None:
-            self.prompt_cache.insert_cache(scope, list(response.all_tokens), response.prompt_cache)
+            tokens = list(response.all_tokens)
+            self.prompt_cache.insert_cache(scope, tokens, response.prompt_cache)
             self.kept += 1
+            if self.report_kept:
+                self.kept_now[response.uid] = tokens
+
+    def cached_ids(self) -> set[int] | None:
+        """The ids of the token lists the prompt cache holds now (None: not known; mlx-lm's
+        LRUPromptCache keeps its order in ``_lru``, which it does not promise to keep)."""
+        lrus = getattr(getattr(self.prompt_cache, "_lru", None), "_lrus", None)
+        if not isinstance(lrus, dict):
+            return None
+        return {id(tokens) for queue in lrus.values() for _, tokens in queue}
 
     def fit_bytes(self) -> None:
         """Every rank drops its least recently used cache while any rank is over its bytes

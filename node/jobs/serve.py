@@ -33,9 +33,12 @@ from typing import IO, Any
 
 from cluster.core.grammar import Failures, digest
 from cluster.core.modelcheck import model_id
+from cluster.core.prefix import prefix_chain
 from cluster.core.protocol import (
     END_OF_INPUT,
+    MOST_CACHED,
     Admitted,
+    Cached,
     Counted,
     Memory,
     Notice,
@@ -325,6 +328,8 @@ class Scheduler:
         self.budget = Budget()
         self.failures = Failures()  # grammars that failed lately: refused at once
         self.spent: dict[int, tuple[float, int]] = {}  # uid -> (spent, steps) when judged
+        self.ended_requests: dict[int, ServeRequest] = {}  # uid -> request, until its cache is
+        # told (CachedPrefixes)
 
     def listen(self, stream: IO[bytes], log: Callable[[str], None]) -> None:
         self.inbox = Inbox(stream, log, self.prepare,
@@ -589,6 +594,8 @@ class Scheduler:
         it at the next order. ``error``: its grammar failed (a limit, its budget): the answer
         is an error (400; a stream under way ends with an error event), never a stop."""
         del self.in_batch[uid]
+        if ended:
+            self.ended_requests[uid] = one.flight.request
         self.reserved -= one.need
         self.spent.pop(uid, None)
         if not ended:
@@ -620,6 +627,36 @@ class Scheduler:
             stats = {**stats, "finish_reason": "tool_calls"}
         self.emit(Stats(**stats, request=flight.request.id))
         self.inbox.ended(flight)
+
+
+class CachedPrefixes:
+    """Rank 0: the prompt prefixes its prompt cache holds (cluster.core.prefix's links of the
+    requests whose caches it kept), told to the launcher (``Cached``) when they change: a
+    fleet's router sends a request to the group holding its longest prefix. An entry the
+    cache dropped is forgotten at the next report."""
+
+    def __init__(self, emit: Callable):
+        self.emit = emit
+        self.entries: dict[int, tuple[list[int], list[str]]] = {}  # id(tokens) -> (tokens, links)
+        self.told: list[str] = []
+
+    def report(self, batch, ended: dict[int, ServeRequest]) -> None:
+        for uid, tokens in batch.kept_now.items():
+            request = ended.pop(uid, None)
+            if request is not None and request.kind != "count":
+                self.entries[id(tokens)] = (tokens, [x.name for x in prefix_chain(request)])
+        batch.kept_now.clear()
+        ended.clear()
+        held = batch.cached_ids()
+        if held is not None:
+            self.entries = {k: v for k, v in self.entries.items() if k in held}
+        links: dict[str, None] = {}  # the most recent entry's first
+        for _, names in reversed(self.entries.values()):
+            links.update(dict.fromkeys(reversed(names)))
+        told = list(links)[:MOST_CACHED]
+        if told != self.told:
+            self.told = told
+            self.emit(Cached(told))
 
 
 def cache_budget(gb: float | None, left: float) -> tuple[float, float]:
@@ -739,7 +776,9 @@ def run_serve(job: Job) -> None:
         scheduler.listen(launcher_input(), log)
         if batch is not None:
             scheduler.grammars = batch.grammars
+            batch.report_kept = True
         emit(Serving(model_id(spec.model), batched))
+    prefixes = CachedPrefixes(emit)  # rank 0's; other ranks' batches keep kept_now unread
     live = 0
     memory_at = 0.0
 
@@ -781,6 +820,8 @@ def run_serve(job: Job) -> None:
             batch.round(scheduler.on_token if scheduler is not None else None)
             live = len(batch.live)
             if scheduler is not None:
+                if batch.kept_now or scheduler.ended_requests:
+                    prefixes.report(batch, scheduler.ended_requests)
                 scheduler.prefill_progress(batch.prefilling)
                 scheduler.police(batch.last_round)
         if order is not None and order.rest:  # nothing to do: no collective until rank 0 wakes us

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster.core.params import Range, ranges
+from cluster.core.prefix import Link
 from cluster.core.protocol import Piece, ToolCall
 from cluster.core.spec import Sampling, ServeRequest, normalized
 
@@ -147,9 +148,31 @@ class ApiRequest:
     status: int | None = None  # how it ended, for /metrics (None while under way)
     failures_seen: int = 0  # failures of the ranks while rank 0 held it
     admitted: tuple[int, int] | None = None  # (prompt tokens, from the cache) once it joined
+    # a fleet's (cluster.serve.fleet): the prompt's prefixes, the session it belongs to
+    # (prompt_cache_key, user, metadata.user_id) and the group it was sent to
+    chain: list[Link] = field(default_factory=list)
+    session: str | None = None
+    group: int = 0
 
     def to_rank0(self) -> ServeRequest:
         return dataclasses.replace(self.request, id=self.id)
+
+
+SESSION_FIELDS = ("prompt_cache_key", "user")  # and Anthropic's metadata.user_id
+MOST_SESSION_CHARS = 256
+
+
+def session_of(body: dict) -> str | None:
+    """The session a request belongs to, as its client names it: OpenAI's prompt_cache_key or
+    user, Anthropic's metadata.user_id (a fleet keeps a session on one group)."""
+    names = [body.get(f) for f in SESSION_FIELDS]
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict):
+        names.append(metadata.get("user_id"))
+    for name in names:
+        if isinstance(name, str) and name:
+            return name[:MOST_SESSION_CHARS]
+    return None
 
 
 def call_id(call: ToolCall, prefix: str, req: ApiRequest) -> str:

@@ -1,0 +1,304 @@
+"""`serve --replicas R` (or a hostfile's ``groups:``): several groups of ranks, each a whole
+copy of the model and a job of its own (its ring, watchdog, restarts: one
+cluster.serve.service.Service each), behind one endpoint.
+
+``plan_groups`` cuts the job's hosts (or ``-n``'s local ranks) into groups. ``Fleet`` stands
+where one Service stands for the HTTP API (submit, cancel, health, cluster, metrics) and routes
+each request:
+
+1. A session (``prompt_cache_key``, ``user``, Anthropic's ``metadata.user_id``) stays on the
+   group that served it while that group is ready and has room (fewer requests than its
+   ``--decode-concurrency``).
+2. Otherwise each ready group's cost is weighed, in prompt tokens: the tokens it would have to
+   prefill (the prompt's, less the longest prefix its rank 0 reports cached:
+   cluster.core.prefix) plus the work it holds (prompt tokens still to prefill, and
+   ``STREAM_TOKENS`` per answer streaming); the cheapest wins, then the one with fewer streams,
+   then the first.
+3. A group that is starting or restarting is never chosen while another is ready; when none is,
+   the request waits on the cheapest (as one Service's requests wait for its ranks).
+
+A group whose ranks fail hands the requests it must decode again, and those waiting for it, to
+the ready groups at once (``reroute``); a stream under way ends with an error event, as with
+one group. The endpoint answers while one group lives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import IO
+
+from cluster.core.hostfile import Host, Hostfile, HostfileError, local_hostfile
+from cluster.core.prefix import CHARS_PER_TOKEN, longest_held, prefix_chain
+from cluster.core.spec import JobSpec, LaunchSettings
+from cluster.serve.api.shared import ApiRequest
+from cluster.serve.metrics import Metrics
+from cluster.serve.service import Service
+
+STREAM_TOKENS = 256  # the router's cost of one answer streaming, in prompt tokens to prefill
+MOST_SESSIONS = 65536  # sessions remembered (least recently used go first)
+
+
+@dataclass
+class GroupPlan:
+    """One group: its hosts (indices kept from the hostfile), its job spec (its own mode) and
+    launch settings (its own ports when groups share this machine)."""
+
+    hostfile: Hostfile
+    spec: JobSpec
+    launch: LaunchSettings
+
+    @property
+    def label(self) -> str:
+        hosts = ", ".join(h.target for h in self.hostfile.hosts)
+        return f"{self.hostfile.world_size} rank(s) on {hosts}, {self.spec.mode}"
+
+
+def plan_groups(
+    hostfile: Hostfile, spec: JobSpec, launch: LaunchSettings, replicas: int
+) -> list[GroupPlan]:
+    """The groups of a serve: the hostfile's ``groups:``, else ``replicas`` groups of equal
+    rank counts (``-n N``: N/R local ranks each; a hostfile: its hosts in order, N/R ranks
+    each); one group of everything when ``replicas`` is 1. HostfileError says why not."""
+    if hostfile.groups:
+        if replicas not in (1, len(hostfile.groups)):
+            raise HostfileError(
+                f"--replicas {replicas}: the hostfile names {len(hostfile.groups)} groups"
+            )
+        by_index = {h.index: h for h in hostfile.hosts}
+        members = [([by_index[i] for i in g.hosts], g.mode) for g in hostfile.groups]
+    elif replicas == 1:
+        return [GroupPlan(hostfile, spec, launch)]
+    else:
+        members = [(hosts, None) for hosts in split_hosts(hostfile, replicas)]
+    plans, ports = [], 0
+    for hosts, mode in members:
+        part = dataclasses.replace(hostfile, hosts=hosts, groups=[])
+        own = launch
+        if launch.starting_port is not None:  # groups on one machine must not share ports
+            own = dataclasses.replace(launch, starting_port=launch.starting_port + ports)
+            ports += sum(h.slots * max(1, len(h.ips)) for h in hosts) * launch.connections_per_ip
+        plans.append(GroupPlan(part, dataclasses.replace(spec, mode=mode or spec.mode), own))
+    return plans
+
+
+def split_hosts(hostfile: Hostfile, replicas: int) -> list[list[Host]]:
+    """``replicas`` lists of hosts holding equal rank counts, in the hostfile's order."""
+    world = hostfile.world_size
+    if world % replicas:
+        raise HostfileError(
+            f"--replicas {replicas}: {world} ranks do not split into {replicas} equal groups"
+        )
+    each = world // replicas
+    if len(hostfile.hosts) == 1 and hostfile.hosts[0].is_local and hostfile.hosts[0].gpus is None:
+        one = hostfile.hosts[0]  # -n N: N/R local ranks per group, each its own "host"
+        return [
+            [dataclasses.replace(local_hostfile(each, hostfile.backend).hosts[0], index=g,
+                                 ips=list(one.ips), python=one.python, cwd=one.cwd)]
+            for g in range(replicas)
+        ]  # fmt: skip
+    groups: list[list[Host]] = [[]]
+    count = 0
+    for h in hostfile.hosts:
+        if count == each:
+            groups.append([])
+            count = 0
+        groups[-1].append(h)
+        count += h.slots
+        if count > each:
+            raise HostfileError(
+                f"--replicas {replicas}: {h.label} ({h.slots} slots) would span two groups of "
+                f"{each} ranks; name the groups in the hostfile ('groups:')"
+            )
+    return groups
+
+
+class GroupLog:
+    """A group's stderr: each line says which group it is of ("mlx-cluster: group 1: ...";
+    a failure report's lines "[group 1] ...")."""
+
+    def __init__(self, stream: IO[str], group: int):
+        self.stream, self.group = stream, group
+        self.lock = threading.Lock()
+        self.partial = ""
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            lines = (self.partial + text).split("\n")
+            self.partial = lines.pop()
+            out = []
+            for line in lines:
+                if line.startswith(LOG_PREFIX):
+                    out.append(f"{LOG_PREFIX}group {self.group}: {line[len(LOG_PREFIX) :]}\n")
+                else:
+                    out.append(f"[group {self.group}] {line}\n" if line else "\n")
+            self.stream.write("".join(out))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+LOG_PREFIX = "mlx-cluster: "
+
+
+class Fleet:
+    """The groups behind one endpoint, as the HTTP API sees one Service."""
+
+    def __init__(self, groups: list[Service], metrics: Metrics, routing: str = "prefix"):
+        self.groups = groups
+        self.metrics = metrics
+        self.routing = routing
+        first = groups[0]
+        self.model_id, self.spec, self.door = first.model_id, first.spec, first.door
+        self.lock = threading.Lock()  # the sessions and the round-robin turn
+        self.sessions: OrderedDict[str, int] = OrderedDict()  # session -> its group
+        self.turn = 0
+        for g in groups[1:]:  # a grammar that failed on one group is refused on all
+            g.bad_grammars = first.bad_grammars
+        for g in groups:
+            g.reroute = self.reroute
+
+    @property
+    def url(self) -> str:
+        return self.groups[0].url
+
+    @url.setter
+    def url(self, url: str) -> None:
+        for g in self.groups:
+            g.url = url
+
+    def refused_grammar(self, request):
+        return self.groups[0].refused_grammar(request)
+
+    def submit(self, req: ApiRequest) -> None:
+        g, reason = self.route(req)
+        self.send(req, g, reason)
+
+    def send(self, req: ApiRequest, g: int, reason: str) -> None:
+        req.group = g
+        self.metrics.routed.labels(group=str(g), reason=reason).inc()
+        self.groups[g].submit(req)
+
+    def cancel(self, req: ApiRequest) -> None:
+        self.groups[req.group].cancel(req)
+
+    def route(self, req: ApiRequest, leaving: Service | None = None) -> tuple[int, str]:
+        """The group for ``req`` and why (module docstring)."""
+        open_ = [g for g in self.groups if g is not leaving and not g.closed
+                 and not g.draining_now]  # fmt: skip
+        ready = [g for g in open_ if g.ready] or open_ or [self.groups[0]]
+        with self.lock:
+            if req.session is not None:
+                g = self.sessions.get(req.session)
+                if g is not None and self.groups[g] in ready and self.has_room(self.groups[g]):
+                    self.sessions.move_to_end(req.session)
+                    return g, "session"
+            if not req.chain:
+                req.chain = prefix_chain(req.request)
+            if self.routing == "round-robin":
+                self.turn += 1
+                chosen, reason = ready[self.turn % len(ready)], "round_robin"
+            else:
+                chosen, reason = min(ready, key=lambda g: self.cost(req, g)), "load"
+                if self.routing == "prefix" and longest_held(req.chain, chosen.cached):
+                    reason = "prefix"
+            if req.session is not None:
+                self.sessions[req.session] = chosen.group
+                self.sessions.move_to_end(req.session)
+                while len(self.sessions) > MOST_SESSIONS:
+                    self.sessions.popitem(last=False)
+        return chosen.group, reason
+
+    def cost(self, req: ApiRequest, g: Service) -> tuple[int, int, int]:
+        if not req.chain:
+            req.chain = prefix_chain(req.request)
+        load = g.load
+        prompt = req.chain[-1].chars
+        held = longest_held(req.chain, g.cached) if self.routing == "prefix" else 0
+        tokens = (prompt - held) // CHARS_PER_TOKEN + load.prompt_tokens
+        return tokens + STREAM_TOKENS * load.streams, load.streams, g.group
+
+    def has_room(self, g: Service) -> bool:
+        return g.load.requests < g.settings.decode_concurrency
+
+    def reroute(self, leaving: Service, reqs: list[ApiRequest]) -> list[ApiRequest]:
+        """A group's requests that it cannot answer now, to the ready groups (on the leaving
+        group's loop); those no other group can take stay with it."""
+        if not any(g.ready and g is not leaving and not g.closed and not g.draining_now
+                   for g in self.groups):  # fmt: skip
+            return reqs
+        for req in reqs:
+            g, _ = self.route(req, leaving)
+            self.send(req, g, "rerouted")
+        return []
+
+    # what /health, /v1/cluster and /metrics say: each group, and the fleet
+
+    def health(self) -> dict:
+        groups = [{"group": g.group, **g.health(), **self.figures(g)} for g in self.groups]
+        return {**self.summary(groups), "groups": groups}
+
+    def cluster(self) -> dict:
+        from cluster.serve.overview import percentiles, rates
+
+        groups = [{"group": g.group, **g.cluster(), **self.figures(g)} for g in self.groups]
+        answers = [a for g in self.groups for a in g.ask(lambda g=g: list(g.answers))]
+        now = time.time()
+        recent = [a for a in answers if now - a.at <= groups[0]["window_s"]]
+        out = {**groups[0], **self.summary(groups)}
+        out.pop("group")
+        out.update(
+            hosts=[{**h, "group": g["group"]} for g in groups for h in g["hosts"]],
+            links=None,
+            failures=sorted((f for g in groups for f in g["failures"]), key=lambda f: f["at"]),
+            rates=rates(recent, now),
+            ttft_s=percentiles([a.ttft_s for a in recent if a.ttft_s is not None]),
+            answered=len(recent),
+            groups=groups,
+        )
+        return out
+
+    def figures(self, g: Service) -> dict:
+        load = g.load
+        return {"queued_prompt_tokens": load.prompt_tokens, "streams": load.streams,
+                "cached_prefixes": len(g.cached), "answered": g.answered}  # fmt: skip
+
+    def summary(self, groups: list[dict]) -> dict:
+        """The fleet's figures: sums of the groups', and its status: ok when every group is,
+        degraded while at least one serves, else the first group's (starting, restarting,
+        draining)."""
+        statuses = [g["status"] for g in groups]
+        if all(s == "ok" for s in statuses):
+            status = "ok"
+        elif "draining" in statuses:
+            status = "draining"
+        elif any(s in ("ok", "degraded") for s in statuses):
+            status = "degraded"
+        else:
+            status = "restarting" if any(s == "restarting" for s in statuses) else statuses[0]
+        keys = ("ranks", "ranks_up", "waiting", "in_flight", "restarts", "hosts",
+                "hosts_in_hostfile")  # fmt: skip
+        total = {k: sum(g[k] for g in groups if isinstance(g.get(k), int)) for k in keys}
+        modes = sorted({g["mode"] for g in groups})
+        return {
+            "status": status,
+            "model": groups[0]["model"],
+            "mode": modes[0] if len(modes) == 1 else ",".join(modes),
+            **total,
+            "groups_ready": sum(1 for s in statuses if s in ("ok", "degraded")),
+            "prefilling": [p for g in groups for p in g["prefilling"]],
+            "dropped_after_failures": [i for g in groups for i in g["dropped_after_failures"]],
+        }
+
+    def rank_figures(self) -> list:
+        """/metrics: each group's index, RankStates, readiness and load."""
+        return [
+            (g.group, list(g.state.ranks) if g.state else [], g.ready, g.load) for g in self.groups
+        ]

@@ -1,0 +1,243 @@
+"""A fleet's parts without ranks: the groups a hostfile or --replicas makes, the prompt's
+prefix chain, the router's choices (prefix, load, session, a group restarting), a failed
+group's requests handed to the others, rank 0's report of its cached prefixes, group logs."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from cluster.core.hostfile import HostfileError, local_hostfile, parse_hostfile
+from cluster.core.prefix import longest_held, prefix_chain
+from cluster.core.protocol import Cached, Serving
+from cluster.core.spec import JobSpec, LaunchSettings, ServeSettings
+from cluster.job.launcher import LaunchError
+from cluster.job.state import JobState, RankState
+from cluster.serve.api.shared import session_of
+from cluster.serve.fleet import STREAM_TOKENS, Fleet, GroupLog, plan_groups
+from cluster.serve.metrics import Metrics
+from cluster.serve.service import Service
+from node.jobs.serve import CachedPrefixes
+from tests.support.serving import request, wait_for
+
+
+def asking(**fields):
+    """A request as the API makes it: its session read from its body."""
+    req = request(False, **fields)
+    req.session = session_of(fields)
+    return req
+
+
+def spec(**serve) -> JobSpec:
+    return JobSpec(model="m", command="serve", serve=ServeSettings(**serve))
+
+
+def test_a_hostfile_names_its_groups_and_their_modes():
+    hf = parse_hostfile({
+        "hosts": ["a.local", "b.local", {"ssh": "c.local", "slots": 2}],
+        "groups": [{"hosts": ["a.local", 1], "mode": "tensor"}, {"hosts": ["c.local"]}],
+    })  # fmt: skip
+    plans = plan_groups(hf, spec(), LaunchSettings(), 1)
+    assert [[h.target for h in p.hostfile.hosts] for p in plans] == [
+        ["a.local", "b.local"], ["c.local"]]  # fmt: skip
+    assert [p.spec.mode for p in plans] == ["tensor", "pipeline"]
+    assert [h.index for h in plans[1].hostfile.hosts] == [2]  # logs still name host 2
+
+
+@pytest.mark.parametrize(
+    "groups, says",
+    [
+        ([{"hosts": ["a.local"]}], "host 1 (b.local) in no group"),
+        ([{"hosts": ["a.local", "b.local"]}, {"hosts": ["b.local"]}], "already in group 0"),
+        ([{"hosts": ["x.local"]}], "'x.local' is not in 'hosts'"),
+        ([{"hosts": ["a.local", "b.local"], "mode": "ring"}], "field 'mode' must be one of"),
+        ([{"hosts": ["a.local", "b.local"], "size": 2}], "unknown field(s) size"),
+        ([], "non-empty list"),
+    ],
+)
+def test_a_bad_group_is_named(groups, says):
+    with pytest.raises(HostfileError, match=None) as e:
+        parse_hostfile({"hosts": ["a.local", "b.local"], "groups": groups}, "rig.yaml")
+    assert says in str(e.value) and "rig.yaml" in str(e.value)
+
+
+def test_replicas_split_the_ranks_in_order():
+    four = parse_hostfile({"hosts": ["a", "b", "c", "d"]})
+    plans = plan_groups(four, spec(), LaunchSettings(), 2)
+    assert [[h.target for h in p.hostfile.hosts] for p in plans] == [["a", "b"], ["c", "d"]]
+    local = plan_groups(local_hostfile(4), spec(), LaunchSettings(starting_port=5000), 2)
+    assert [p.hostfile.world_size for p in local] == [2, 2]
+    # local groups share this machine: their ring ports must not overlap
+    assert [p.launch.starting_port for p in local] == [5000, 5002]
+    with pytest.raises(HostfileError, match="3 ranks do not split into 2"):
+        plan_groups(local_hostfile(3), spec(), LaunchSettings(), 2)
+    slots = parse_hostfile({"hosts": [{"ssh": "a", "slots": 3}, "b"]})
+    with pytest.raises(HostfileError, match="would span two groups"):
+        plan_groups(slots, spec(), LaunchSettings(), 2)
+
+
+def test_the_prefix_chain_names_what_two_prompts_share():
+    system = {"role": "system", "content": "be brief"}
+    one = request(False, messages=[system, {"role": "user", "content": "hi"}]).request
+    two = request(False, messages=[system, {"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": "hello"},
+                                   {"role": "user", "content": "more"}]).request  # fmt: skip
+    other = request(False, messages=[system, {"role": "user", "content": "bye"}]).request
+    a, b, c = prefix_chain(one), prefix_chain(two), prefix_chain(other)
+    assert [x.name for x in a] == [x.name for x in b[: len(a)]]  # turn 2 starts with turn 1
+    assert a[-1].name != c[-1].name and a[1] == c[1]  # the system message only
+    assert longest_held(b, {x.name for x in a}) == a[-1].chars > 0
+    tools = request(False, messages=one.messages,
+                    tools=[{"type": "function", "function": {"name": "f"}}]).request  # fmt: skip
+    assert prefix_chain(tools)[0] != a[0]  # the tools come first in the template: nothing shared
+
+
+def fleet(groups: int = 2, **serve) -> tuple[Fleet, list[Service], list[list[bytes]]]:
+    metrics = Metrics(lambda: [], groups=lambda: [])
+    services = [
+        Service(local_hostfile(1), spec(**serve), io.StringIO(), thread=False, metrics=metrics,
+                group=i)
+        for i in range(groups)
+    ]  # fmt: skip
+    sent: list[list[bytes]] = [[] for _ in services]
+    for s, out in zip(services, sent, strict=True):
+        s.attach(out.append, JobState([RankState(0, "localhost")]))
+        s.on_event(0, Serving("m", True))
+    return Fleet(services, metrics), services, sent
+
+
+def group_of(f: Fleet, req) -> int:
+    f.submit(req)
+    return req.group
+
+
+def test_the_group_holding_the_longest_prefix_wins_unless_it_is_far_busier():
+    f, groups, _ = fleet()
+    first = request(False, messages=[{"role": "user", "content": "x" * 4000}])
+    chain = prefix_chain(first.request)
+    groups[1].on_event(0, Cached([x.name for x in chain]))
+    assert group_of(f, first) == 1
+    assert f.metrics.routed.labels(group="1", reason="prefix")._value.get() == 1
+    # a second request with nothing cached goes to the idle group
+    assert group_of(f, request(False, messages=[{"role": "user", "content": "y"}])) == 0
+    # the prefix saves ~1000 tokens of prefill; a group with more work than that loses it
+    busy = request(False, messages=[{"role": "user", "content": "x" * 4000}])
+    for i in range(5):
+        groups[1].on_event(0, Cached([x.name for x in chain]))
+        other = request(False, messages=[{"role": "user", "content": f"z{i}" * 600}])
+        other.chain = prefix_chain(other.request)  # as the router sets it
+        groups[1].take(other)
+    assert groups[1].load.prompt_tokens > 1000 + groups[0].load.prompt_tokens
+    assert group_of(f, busy) == 0
+
+
+def test_least_work_counts_queued_prompt_tokens_and_streams():
+    f, groups, _ = fleet()
+    groups[0].take(request(True))
+    flight = next(iter(groups[0].inflight.values()))
+    flight.shown = True  # streaming
+    groups[0].post(lambda: None)  # its load is measured after each call
+    assert groups[0].load.streams == 1
+    assert f.cost(request(False), groups[0])[0] - f.cost(request(False), groups[1])[0] == (
+        STREAM_TOKENS)  # fmt: skip
+    assert group_of(f, request(False)) == 1
+
+
+def test_a_session_stays_on_its_group_while_it_has_room():
+    f, groups, _ = fleet(decode_concurrency=2)
+    a = asking(user="alice")
+    assert group_of(f, a) == 0
+    groups[1].on_event(0, Cached([x.name for x in prefix_chain(request(False).request)]))
+    assert group_of(f, asking(user="alice")) == 0  # the session beats the prefix
+    assert group_of(f, asking(metadata={"user_id": "bob"})) == 1  # least work
+    assert group_of(f, asking(metadata={"user_id": "bob"})) == 1
+    # group 0 is full (2 requests under way): alice moves, and stays where she went
+    assert group_of(f, asking(user="alice")) == 1
+    assert f.sessions["alice"] == 1
+
+
+def test_a_restarting_group_is_never_waited_on_while_another_serves():
+    f, groups, _ = fleet()
+    groups[1].on_event(0, Cached([x.name for x in prefix_chain(request(False).request)]))
+    groups[1].job_ended(LaunchError("error: rank 0 (host 0 (localhost)) exited"))
+    assert not groups[1].ready
+    assert group_of(f, request(False)) == 0
+    groups[0].job_ended(LaunchError("error: rank 0 exited"))
+    waiting = request(False)
+    f.submit(waiting)  # none serves: it waits on the cheapest, as with one group
+    assert waiting in groups[waiting.group].pending
+
+
+def test_a_failed_groups_requests_go_to_the_others_at_once():
+    f, groups, sent = fleet(groups=3)
+    reqs = [request(False, messages=[{"role": "user", "content": f"q{i}"}]) for i in range(6)]
+    for r in reqs:
+        groups[0].take(r)  # all on group 0
+    streaming = request(True)
+    groups[0].take(streaming)
+    groups[0].inflight[streaming.id].shown = True
+    groups[0].job_ended(LaunchError("error: rank 1 (host 0 (localhost)) exited"))
+    assert not groups[0].pending and not groups[0].inflight
+    wait_for(lambda: sum(len(out) for out in sent[1:]) >= len(reqs), timeout=10)
+    moved = [json.loads(line)["request"]["id"] for out in sent[1:] for line in out]
+    assert sorted(moved) == sorted(r.id for r in reqs)  # every plain one, sent again elsewhere
+    assert {r.group for r in reqs} == {1, 2}  # spread by load
+    assert f.metrics.routed.labels(group="1", reason="rerouted")._value.get() > 0
+    chunks = []
+    while not streaming.chunks.empty():
+        chunks.append(streaming.chunks.get())
+    assert "the answer was cut" in str(chunks[-1])  # a stream under way ends with an error
+    assert "status" in f.health() and f.health()["groups_ready"] == 2
+
+
+def test_health_says_each_group_and_the_fleets_status():
+    f, groups, _ = fleet()
+    health = f.health()
+    assert health["status"] == "ok" and health["groups_ready"] == 2
+    assert [g["group"] for g in health["groups"]] == [0, 1]
+    groups[1].job_ended(LaunchError("error: rank 0 exited"))
+    assert f.health()["status"] == "degraded"
+    assert [g["status"] for g in f.health()["groups"]] == ["ok", "restarting"]
+
+
+class FakeBatch:
+    def __init__(self):
+        self.kept_now: dict[int, list[int]] = {}
+        self.live: set[int] = set()
+
+    def cached_ids(self):
+        return self.live
+
+
+def test_rank0_reports_the_prefixes_its_cache_holds_and_forgets_dropped_ones():
+    told: list[Cached] = []
+    prefixes = CachedPrefixes(told.append)
+    batch = FakeBatch()
+    one = request(False, messages=[{"role": "user", "content": "one"}]).request
+    two = request(False, messages=[{"role": "user", "content": "two"}]).request
+    t1, t2 = [1, 2, 3], [4, 5]
+    batch.kept_now = {7: t1, 8: t2}
+    batch.live = {id(t1), id(t2)}
+    prefixes.report(batch, {7: one, 8: two})
+    assert set(told[-1].links) == {x.name for x in prefix_chain(one) + prefix_chain(two)}
+    assert not batch.kept_now
+    batch.live = {id(t2)}  # the LRU dropped one's cache
+    prefixes.report(batch, {})
+    assert set(told[-1].links) == {x.name for x in prefix_chain(two)}
+    n = len(told)
+    prefixes.report(batch, {})
+    assert len(told) == n  # nothing changed: nothing said
+
+
+def test_each_groups_log_lines_name_it():
+    out = io.StringIO()
+    log = GroupLog(out, 1)
+    log.write("mlx-cluster: starting 2 rank(s)\nerror: rank 1 (host 0) exited\n  its last li")
+    log.write("nes\n")
+    assert out.getvalue().splitlines() == [
+        "mlx-cluster: group 1: starting 2 rank(s)",
+        "[group 1] error: rank 1 (host 0) exited",
+        "[group 1]   its last lines",
+    ]
