@@ -61,18 +61,31 @@ def render(c: dict) -> str:
         prefill = sum(b["prefill_tps"] for b in recent) / len(recent)
         decode = sum(b["decode_tps"] for b in recent) / len(recent)
         lines.append(f"last minute: prefill {prefill:.1f} tok/s, decode {decode:.1f} tok/s")
+    groups = {g["group"]: g for g in c.get("groups", [])}  # a fleet (serve --replicas)
+    for g in groups.values():
+        lines.append(f"group {g['group']}: {g['status']}, {g['mode']} mode, {g['ranks_up']} of "
+                     f"{g['ranks']} ranks up, {g['restarts']} restart(s); {g['streams']} "
+                     f"streaming, {g['queued_prompt_tokens']} prompt tokens to prefill, "
+                     f"{g['cached_prefixes']} cached prefixes, {g['answered']} answered")  # fmt: skip
     lines.append("")
-    lines.append(f"{'rank':>4}  {'host':<20} {'phase':<12} {'heartbeat':>9} {'peak':>9}  holds")
+    group = "group  " if groups else ""
+    lines.append(f"{group}{'rank':>4}  {'host':<20} {'phase':<12} {'heartbeat':>9} {'peak':>9}  "
+                 "holds")  # fmt: skip
     for host in c["hosts"]:
+        mode, ranks = c["mode"], c["ranks"]
+        group = ""
+        if "group" in host and host["group"] in groups:
+            mode, ranks = groups[host["group"]]["mode"], groups[host["group"]]["ranks"]
+            group = f"{host['group']:>5}  "
         if host["left_out"]:
-            lines.append(f"{'-':>4}  {host['name']:<20} left out")
+            lines.append(f"{group}{'-':>4}  {host['name']:<20} left out")
         for r in host["ranks"]:
-            holds = "a share of every layer" if c["mode"] == "tensor" else (
+            holds = "a share of every layer" if mode == "tensor" else (
                 f"layers {r['layers'][0]}-{r['layers'][1] - 1}" if r["layers"]
-                else "-" if c["ranks"] > 1 else "all layers"  # not loaded yet
+                else "-" if ranks > 1 else "all layers"  # not loaded yet
             )  # fmt: skip
             peak = "-" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f} GB"
-            lines.append(f"{r['rank']:>4}  {host['name']:<20} {r['phase']:<12} "
+            lines.append(f"{group}{r['rank']:>4}  {host['name']:<20} {r['phase']:<12} "
                          f"{seconds(r['heartbeat_age_s']):>9} {peak:>9}  {holds}")  # fmt: skip
     lines += links_lines(c.get("links"))
     for p in c["prefilling"]:

@@ -25,6 +25,7 @@ one group. The endpoint answers while one group lives.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -75,14 +76,28 @@ def plan_groups(
     else:
         members = [(hosts, None) for hosts in split_hosts(hostfile, replicas)]
     plans, ports = [], 0
+    shared = blas_threads(hostfile, [hosts for hosts, _ in members])
     for hosts, mode in members:
-        part = dataclasses.replace(hostfile, hosts=hosts, groups=[])
+        part = dataclasses.replace(hostfile, hosts=hosts, groups=[], env={**shared, **hostfile.env})
         own = launch
         if launch.starting_port is not None:  # groups on one machine must not share ports
             own = dataclasses.replace(launch, starting_port=launch.starting_port + ports)
             ports += sum(h.slots * max(1, len(h.ips)) for h in hosts) * launch.connections_per_ip
         plans.append(GroupPlan(part, dataclasses.replace(spec, mode=mode or spec.mode), own))
     return plans
+
+
+def blas_threads(hostfile: Hostfile, groups: list[list[Host]]) -> dict[str, str]:
+    """OpenBLAS's threads for ranks on this machine when several groups put ranks here: the
+    cores shared by all of them (each job alone would give its own ranks every core), unless
+    the user set them."""
+    here = sum(h.slots for hosts in groups for h in hosts if h.is_local)
+    if here <= max(sum(h.slots for h in hosts if h.is_local) for hosts in groups):
+        return {}
+    if "OPENBLAS_NUM_THREADS" in os.environ or "OPENBLAS_NUM_THREADS" in hostfile.env:
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"OPENBLAS_NUM_THREADS": str(max(1, (cores or 1) // here))}
 
 
 def split_hosts(hostfile: Hostfile, replicas: int) -> list[list[Host]]:
@@ -183,6 +198,7 @@ class Fleet:
 
     def send(self, req: ApiRequest, g: int, reason: str) -> None:
         req.group = g
+        req.to_prefill = self.to_prefill(req, self.groups[g])
         self.metrics.routed.labels(group=str(g), reason=reason).inc()
         self.groups[g].submit(req)
 
@@ -199,6 +215,7 @@ class Fleet:
                 g = self.sessions.get(req.session)
                 if g is not None and self.groups[g] in ready and self.has_room(self.groups[g]):
                     self.sessions.move_to_end(req.session)
+                    self.count_in(req, self.groups[g])
                     return g, "session"
             if not req.chain:
                 req.chain = prefix_chain(req.request)
@@ -214,15 +231,27 @@ class Fleet:
                 self.sessions.move_to_end(req.session)
                 while len(self.sessions) > MOST_SESSIONS:
                     self.sessions.popitem(last=False)
+            self.count_in(req, chosen)
         return chosen.group, reason
 
-    def cost(self, req: ApiRequest, g: Service) -> tuple[int, int, int]:
+    def count_in(self, req: ApiRequest, g: Service) -> None:
+        """The group's load with ``req`` in it now, before its loop takes it: requests that
+        arrive together would otherwise all see the same loads and go to one group. (The
+        loop measures its load again once it has taken it.)"""
+        load = g.load
+        g.load = dataclasses.replace(load, prompt_tokens=load.prompt_tokens + self.to_prefill(req, g),
+                                     requests=load.requests + 1)  # fmt: skip
+
+    def to_prefill(self, req: ApiRequest, g: Service) -> int:
+        """The prompt tokens ``g`` would prefill for ``req``: all but its cached prefix."""
         if not req.chain:
             req.chain = prefix_chain(req.request)
-        load = g.load
-        prompt = req.chain[-1].chars
         held = longest_held(req.chain, g.cached) if self.routing == "prefix" else 0
-        tokens = (prompt - held) // CHARS_PER_TOKEN + load.prompt_tokens
+        return (req.chain[-1].chars - held) // CHARS_PER_TOKEN
+
+    def cost(self, req: ApiRequest, g: Service) -> tuple[int, int, int]:
+        load = g.load
+        tokens = self.to_prefill(req, g) + load.prompt_tokens
         return tokens + STREAM_TOKENS * load.streams, load.streams, g.group
 
     def has_room(self, g: Service) -> bool:

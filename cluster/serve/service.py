@@ -73,7 +73,11 @@ class Load:
 
 
 def estimate_tokens(req: ApiRequest) -> int:
-    """A request's prompt tokens before rank 0 counts them (its characters over 4)."""
+    """A request's prompt tokens to prefill before rank 0 counts them: what the router
+    reckoned (its characters over 4, less the prefix its group caches), else its characters
+    over 4."""
+    if req.to_prefill is not None:
+        return req.to_prefill
     return req.chain[-1].chars // CHARS_PER_TOKEN if req.chain else 0
 
 

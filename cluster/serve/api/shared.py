@@ -153,6 +153,7 @@ class ApiRequest:
     chain: list[Link] = field(default_factory=list)
     session: str | None = None
     group: int = 0
+    to_prefill: int | None = None  # its prompt tokens the router reckoned its group prefills
 
     def to_rank0(self) -> ServeRequest:
         return dataclasses.replace(self.request, id=self.id)

@@ -48,10 +48,11 @@ function linkBetween(c, one, other) {  // the measured link joining two hosts, i
                          (l.hosts[0] === other && l.hosts[1] === one));
 }
 
-function holds(r, c) {  // a pipeline rank's layers are known once it has loaded
-  if (c.mode === "tensor") return "a share of every layer";
+function holds(r, c, host) {  // a pipeline rank's layers are known once it has loaded
+  const group = c.groups && host.group !== undefined ? c.groups[host.group] : c;  // a fleet's
+  if (group.mode === "tensor") return "a share of every layer";
   if (r.layers) return `layers ${r.layers[0]}–${r.layers[1] - 1}`;
-  return c.ranks > 1 ? "–" : "all layers";
+  return group.ranks > 1 ? "–" : "all layers";
 }
 
 function drawRig(c) {
@@ -63,7 +64,8 @@ function drawRig(c) {
   area.setAttribute("preserveAspectRatio", "xMinYMid meet");
   c.hosts.forEach((host, i) => {
     const x = 10 + i * (w + gap);
-    if (i > 0) {  // the link to the host before, in the ring's order, with its figures
+    const apart = i > 0 && host.group !== c.hosts[i - 1].group;  // a fleet: another group
+    if (i > 0 && !apart) {  // the link to the host before, in the ring's order, with its figures
       const up = !host.left_out && !c.hosts[i - 1].left_out;
       const link = up ? linkBetween(c, c.hosts[i - 1].name, host.name) : null;
       const color = link && link.slow ? "#c62828" : up ? "#6e6e73" : "#d2d2d7";
@@ -82,7 +84,7 @@ function drawRig(c) {
       fill: host.left_out ? "#f1f1f3" : "#fff", stroke: host.left_out ? "#c62828" : "#d2d2d7",
       "stroke-width": 2, "stroke-dasharray": host.left_out ? "6 4" : "" }));
     area.append(svg("text", { x: x + 10, y: top + 20, "font-weight": 600, "font-size": 14 },
-      host.name));
+      hostName(host)));
     area.append(svg("text", { x: x + 10, y: top + 38, fill: "#6e6e73", "font-size": 12 },
       host.left_out ? "left out" : host.address + (host.memory_gb ? ` · ${host.memory_gb} GB` : "")));
     host.ranks.forEach((r, j) => {
@@ -107,13 +109,17 @@ function drawRig(c) {
   });
 }
 
+function hostName(host) {  // a fleet's hosts say their group
+  return host.group === undefined ? host.name : `group ${host.group} · ${host.name}`;
+}
+
 function drawRanks(c) {
   const rows = [];
   for (const host of c.hosts) {
     for (const r of host.ranks) {
       const tr = document.createElement("tr");
-      for (const cell of [r.rank, host.name, r.phase, secs(r.heartbeat_age_s),
-                          gb(r.peak_memory_gb), holds(r, c)]) {
+      for (const cell of [r.rank, hostName(host), r.phase, secs(r.heartbeat_age_s),
+                          gb(r.peak_memory_gb), holds(r, c, host)]) {
         const td = document.createElement("td");
         td.textContent = cell;
         tr.append(td);
@@ -204,7 +210,9 @@ function draw(c) {
   $("model").textContent = `${c.model} · ${c.mode} mode`;
   $("status").textContent = c.status;
   $("status").className = "badge " + c.status;
-  $("summary").textContent = `${c.ranks_up} of ${c.ranks} ranks up · ${c.restarts} restart(s)`;
+  const groups = c.groups ? `${c.groups_ready} of ${c.groups.length} groups serving · ` : "";
+  $("summary").textContent =
+    `${groups}${c.ranks_up} of ${c.ranks} ranks up · ${c.restarts} restart(s)`;
   $("running").textContent = c.in_flight;
   $("waiting").textContent = c.waiting;
   $("ttft50").textContent = secs(c.ttft_s.p50);
