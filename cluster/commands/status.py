@@ -66,7 +66,8 @@ def render(c: dict) -> str:
         lines.append(f"group {g['group']}: {g['status']}, {g['mode']} mode, {g['ranks_up']} of "
                      f"{g['ranks']} ranks up, {g['restarts']} restart(s); {g['streams']} "
                      f"streaming, {g['queued_prompt_tokens']} prompt tokens to prefill, "
-                     f"{g['cached_prefixes']} cached prefixes, {g['answered']} answered")  # fmt: skip
+                     f"{g['cached_prefixes']} cached prefixes, "
+                     f"{g['answered']} answered")  # fmt: skip
     lines.append("")
     group = "group  " if groups else ""
     lines.append(f"{group}{'rank':>4}  {'host':<20} {'phase':<12} {'heartbeat':>9} {'peak':>9}  "

@@ -238,9 +238,10 @@ class Fleet:
         """The group's load with ``req`` in it now, before its loop takes it: requests that
         arrive together would otherwise all see the same loads and go to one group. (The
         loop measures its load again once it has taken it.)"""
-        load = g.load
-        g.load = dataclasses.replace(load, prompt_tokens=load.prompt_tokens + self.to_prefill(req, g),
-                                     requests=load.requests + 1)  # fmt: skip
+        load, more = g.load, self.to_prefill(req, g)
+        g.load = dataclasses.replace(
+            load, prompt_tokens=load.prompt_tokens + more, requests=load.requests + 1
+        )
 
     def to_prefill(self, req: ApiRequest, g: Service) -> int:
         """The prompt tokens ``g`` would prefill for ``req``: all but its cached prefix."""
