@@ -359,7 +359,7 @@ class RankWatch:
             return self.misbehaved(state, f"sent a {event.kind} event the launcher cannot "
                                           f"take ({type(e).__name__}: {e})")  # fmt: skip
         for say in said:
-            log(self.stderr, say.text)
+            self.say(say.text)
         if isinstance(event, Phase) and not self.started_all:
             self.start_together()
         if isinstance(event, Wake):
@@ -371,6 +371,19 @@ class RankWatch:
             self.stderr.flush()
         elif isinstance(event, Ready) and self.launch.verbose:
             self.stderr.write(f"[rank {state.rank} {state.host}] {ready_line(event)}\n")
+
+    def say(self, text: str) -> None:
+        """A line for the user on stderr. When stdout and stderr are one terminal and the
+        answer's text so far has no final newline, the line starts on a line of its own (the
+        stats line after an answer that ends mid-line)."""
+        if not self.wrote_newline and _isatty(self.stdout) and _isatty(self.stderr):
+            try:
+                self.stdout.write(b"\n")
+                self.stdout.flush()
+                self.wrote_newline = True
+            except (OSError, ValueError):
+                pass
+        log(self.stderr, text)
 
     def misbehaved(self, state: RankState, why: str) -> None:
         state.error, state.misbehaved = why, True

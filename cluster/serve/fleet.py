@@ -11,7 +11,8 @@ each request:
    ``--decode-concurrency``).
 2. Otherwise each ready group's cost is weighed, in prompt tokens: the tokens it would have to
    prefill (the prompt's, less the longest prefix its rank 0 reports cached:
-   cluster.core.prefix) plus the work it holds (prompt tokens still to prefill, and
+   cluster.core.prefix; characters over the characters per token its rank 0 counted lately)
+   plus the work it holds (prompt tokens still to prefill, and
    ``STREAM_TOKENS`` per answer streaming); the cheapest wins, then the one with fewer streams,
    then the first.
 3. A group that is starting or restarting is never chosen while another is ready; when none is,
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from cluster.core.hostfile import Host, Hostfile, HostfileError, local_hostfile
-from cluster.core.prefix import CHARS_PER_TOKEN, longest_held, prefix_chain
+from cluster.core.prefix import longest_held, prefix_chain
 from cluster.core.spec import JobSpec, LaunchSettings
 from cluster.serve.api.shared import ApiRequest
 from cluster.serve.metrics import Metrics
@@ -248,7 +249,7 @@ class Fleet:
         if not req.chain:
             req.chain = prefix_chain(req.request)
         held = longest_held(req.chain, g.cached) if self.routing == "prefix" else 0
-        return (req.chain[-1].chars - held) // CHARS_PER_TOKEN
+        return int((req.chain[-1].chars - held) / g.chars_per_token)
 
     def cost(self, req: ApiRequest, g: Service) -> tuple[int, int, int]:
         load = g.load

@@ -59,6 +59,7 @@ from cluster.serve.api.shared import END, RESTART, ApiRequest, Door, RequestErro
 from cluster.serve.metrics import Metrics
 
 REAP_EVERY_S = 0.25
+LEARN = 0.2  # how fast the characters per token follow rank 0's counts
 MOST_FAILURES_SEEN = 1  # a request under way at this many failures is not decoded again
 ASK_TIMEOUT_S = 10.0
 
@@ -78,7 +79,7 @@ def estimate_tokens(req: ApiRequest) -> int:
     over 4."""
     if req.to_prefill is not None:
         return req.to_prefill
-    return req.chain[-1].chars // CHARS_PER_TOKEN if req.chain else 0
+    return int(req.chain[-1].chars / CHARS_PER_TOKEN) if req.chain else 0
 
 
 @dataclass
@@ -183,6 +184,9 @@ class Service:
         # replaced whole, never changed in place
         self.cached: frozenset[str] = frozenset()  # rank 0's cached prefixes (Cached)
         self.answered = 0  # answers that ended with their stats
+        # the model's characters per prompt token, learned from rank 0's counts (Admitted):
+        # the router's estimate of a prompt's tokens before rank 0 counts them
+        self.chars_per_token = float(CHARS_PER_TOKEN)
         self.load = Load()  # the work it holds, measured after each call on its loop
         # a fleet's: the requests a failed or closed group cannot answer now go to the others
         # (called on this loop with them; returns those it could not place)
@@ -393,6 +397,9 @@ class Service:
             flight.prefill = (event.done, event.total)
         elif isinstance(event, Admitted):
             req.admitted = (event.prompt_tokens, event.cached_tokens)
+            if req.chain and event.prompt_tokens > 0 and req.chain[-1].chars > 0:
+                seen = req.chain[-1].chars / event.prompt_tokens
+                self.chars_per_token += LEARN * (seen - self.chars_per_token)
         elif isinstance(event, (Piece, ToolCall)):
             if not flight.shown:
                 self.metrics.ttft.observe(now - req.arrived)

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.core.hostfile import HostfileError, local_hostfile, parse_hostfile
 from cluster.core.prefix import longest_held, prefix_chain
-from cluster.core.protocol import Cached, Serving
+from cluster.core.protocol import Admitted, Cached, Serving
 from cluster.core.spec import JobSpec, LaunchSettings, ServeSettings
 from cluster.job.launcher import LaunchError
 from cluster.job.state import JobState, RankState
@@ -241,3 +241,27 @@ def test_each_groups_log_lines_name_it():
         "[group 1] error: rank 1 (host 0) exited",
         "[group 1]   its last lines",
     ]
+
+
+def test_status_shows_each_group_and_its_ranks():
+    from cluster.commands.status import render
+
+    f, groups, _ = fleet()
+    groups[1].job_ended(LaunchError("error: rank 0 exited"))
+    text = render(f.cluster())
+    assert "group 0: ok, pipeline mode" in text and "group 1: restarting" in text
+    assert "0 streaming, 0 prompt tokens to prefill, 0 cached prefixes, 0 answered" in text
+    assert "group  rank  host" in text
+
+
+def test_the_router_learns_the_models_characters_per_token_from_rank0():
+    f, groups, _ = fleet()
+    req = asking(messages=[{"role": "user", "content": "x" * 3000}])
+    f.submit(req)
+    assert abs(req.to_prefill - req.chain[-1].chars / 4) <= 1  # 4 until rank 0 counted one
+    g = groups[req.group]
+    for _ in range(30):  # this tokenizer makes a token of every 2 characters
+        g.on_event(0, Admitted(request=req.id, prompt_tokens=req.chain[-1].chars // 2,
+                               cached_tokens=0))  # fmt: skip
+    assert abs(g.chars_per_token - 2.0) < 0.05
+    assert f.to_prefill(req, g) == pytest.approx(req.chain[-1].chars / 2, abs=5)

@@ -148,3 +148,32 @@ def test_micro_batches_are_for_pipeline_mode(models):
     assert "tensor mode has no stages to keep busy" in p.stderr and "starting" not in p.stderr
     p = invoke("launch", "--micro-batches", 2, "--model", models["llama"], PROMPT)
     assert p.returncode == 2 and "No such option" in p.stderr
+
+
+def test_the_stats_line_starts_on_its_own_line_on_a_terminal():
+    """An answer that ends mid-line, then the stats line, on one terminal (stdout and
+    stderr both): the line is not glued to the answer. Into a pipe, stdout stays exactly
+    the answer."""
+    import io
+    import os
+    import pty
+
+    from cluster.core.spec import LaunchSettings
+    from cluster.job.launcher import RankWatch
+
+    master, slave = pty.openpty()
+    with os.fdopen(slave, "wb", buffering=0) as out, os.fdopen(os.dup(slave), "w") as err:
+        watch = RankWatch([], "launch", LaunchSettings(), out, err, 0.0)
+        watch.write_text(b"functions that d")
+        watch.say("prompt 15 tokens at 16.8 tok/s")
+        err.flush()
+        seen = os.read(master, 4096).decode()
+    os.close(master)
+    assert (
+        seen.replace("\r", "") == "functions that d\nmlx-cluster: prompt 15 tokens at 16.8 tok/s\n"
+    )
+    piped, log = io.BytesIO(), io.StringIO()
+    watch = RankWatch([], "launch", LaunchSettings(), piped, log, 0.0)
+    watch.write_text(b"functions that d")
+    watch.say("prompt 15 tokens")
+    assert piped.getvalue() == b"functions that d"  # a pipe gets only the answer
