@@ -252,11 +252,13 @@ class BenchComm:
 @dataclass
 class Cached:
     """Serve: the prompt prefixes rank 0's prompt cache holds now (cluster.core.prefix's
-    link names, memory and disk tier; at most ``MOST_CACHED``), for the fleet's router.
+    link names; at most ``MOST_CACHED`` each tier), for the fleet's router.
     Sent when they change, whole (a router that missed one is right again at the next)."""
 
     kind = "cached"
     links: list[str]
+    disk: list[str] = field(default_factory=list)  # of prompts written to the disk tier
+    # since the ranks started (they stay there across restarts)
 
 
 MOST_CACHED = 4096  # links one Cached event names (the most recent first)

@@ -36,6 +36,7 @@ from cluster.core.modelcheck import model_id
 from cluster.core.prefix import CHARS_PER_TOKEN
 from cluster.core.protocol import (
     END_OF_INPUT,
+    MOST_CACHED,
     Admitted,
     Cached,
     Counted,
@@ -183,6 +184,7 @@ class Service:
         # for a fleet's router (cluster.serve.fleet), read from other threads: each is
         # replaced whole, never changed in place
         self.cached: frozenset[str] = frozenset()  # rank 0's cached prefixes (Cached)
+        self.on_disk: dict[str, None] = {}  # links rank 0 wrote to its disk tier, oldest first
         self.answered = 0  # answers that ended with their stats
         # the model's characters per prompt token, learned from rank 0's counts (Admitted):
         # the router's estimate of a prompt's tokens before rank 0 counts them
@@ -383,7 +385,12 @@ class Service:
             self.became_ready(event, now)
             return
         if isinstance(event, Cached):
-            self.cached = frozenset(event.links)
+            for name in event.disk:  # the disk tier outlives a restart: kept until then
+                self.on_disk.pop(name, None)
+                self.on_disk[name] = None
+            while len(self.on_disk) > MOST_CACHED:
+                self.on_disk.pop(next(iter(self.on_disk)))
+            self.cached = frozenset(event.links) | frozenset(self.on_disk)
             return
         if isinstance(event, LinkReport):
             hosts = [s.host for s in self.state.ranks] if self.state else []
@@ -452,6 +459,7 @@ class Service:
         the ranks fail). A stream under way ends with an error event."""
         self.ready = False
         self.links = None  # the next ranks measure theirs
+        self.cached = frozenset(self.on_disk)  # the memory tier is gone with the ranks
         if self.outbox is not None:
             self.outbox.put(None)
         self.outbox = None

@@ -638,13 +638,21 @@ class CachedPrefixes:
     def __init__(self, emit: Callable):
         self.emit = emit
         self.entries: dict[int, tuple[list[int], list[str]]] = {}  # id(tokens) -> (tokens, links)
-        self.told: list[str] = []
+        self.disk: dict[str, None] = {}  # links of prompts the disk tier was given, oldest first
+        self.told: tuple[list[str], list[str]] = ([], [])
 
     def report(self, batch, ended: dict[int, ServeRequest]) -> None:
         for uid, tokens in batch.kept_now.items():
             request = ended.pop(uid, None)
             if request is not None and request.kind != "count":
-                self.entries[id(tokens)] = (tokens, [x.name for x in prefix_chain(request)])
+                names = [x.name for x in prefix_chain(request)]
+                self.entries[id(tokens)] = (tokens, names)
+                if batch.disk is not None and request.cache_key is None:  # as Lockstep.keep
+                    for name in names:
+                        self.disk.pop(name, None)
+                        self.disk[name] = None
+                    while len(self.disk) > MOST_CACHED:
+                        self.disk.pop(next(iter(self.disk)))
         batch.kept_now.clear()
         ended.clear()
         held = batch.cached_ids()
@@ -653,10 +661,10 @@ class CachedPrefixes:
         links: dict[str, None] = {}  # the most recent entry's first
         for _, names in reversed(self.entries.values()):
             links.update(dict.fromkeys(reversed(names)))
-        told = list(links)[:MOST_CACHED]
+        told = (list(links)[:MOST_CACHED], list(reversed(self.disk)))
         if told != self.told:
             self.told = told
-            self.emit(Cached(told))
+            self.emit(Cached(*told))
 
 
 def cache_budget(gb: float | None, left: float) -> tuple[float, float]:

@@ -206,6 +206,7 @@ class FakeBatch:
     def __init__(self):
         self.kept_now: dict[int, list[int]] = {}
         self.live: set[int] = set()
+        self.disk = None
 
     def cached_ids(self):
         return self.live
@@ -265,3 +266,23 @@ def test_the_router_learns_the_models_characters_per_token_from_rank0():
                                cached_tokens=0))  # fmt: skip
     assert abs(g.chars_per_token - 2.0) < 0.05
     assert f.to_prefill(req, g) == pytest.approx(req.chain[-1].chars / 2, abs=5)
+
+
+def test_a_restart_forgets_the_memory_tiers_prefixes_but_not_the_disk_tiers():
+    told: list[Cached] = []
+    prefixes = CachedPrefixes(told.append)
+    batch = FakeBatch()
+    batch.disk = object()  # a disk tier: what is kept is written there too
+    one = request(False, messages=[{"role": "user", "content": "one"}]).request
+    keyed = request(False, messages=[{"role": "user", "content": "k"}],
+                    prompt_cache_key="s").request  # fmt: skip
+    t1, t2 = [1], [2]
+    batch.kept_now, batch.live = {1: t1, 2: t2}, {id(t1), id(t2)}
+    prefixes.report(batch, {1: one, 2: keyed})
+    names = {x.name for x in prefix_chain(one)}
+    assert set(told[-1].disk) == names  # a keyed prompt's cache stays off the disk tier
+    f, groups, _ = fleet()
+    groups[0].on_event(0, told[-1])
+    assert groups[0].cached == names | {x.name for x in prefix_chain(keyed)}
+    groups[0].job_ended(LaunchError("error: rank 0 exited"))
+    assert groups[0].cached == names
