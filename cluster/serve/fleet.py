@@ -40,7 +40,7 @@ from cluster.serve.api.shared import ApiRequest
 from cluster.serve.metrics import Metrics
 from cluster.serve.service import Service
 
-STREAM_TOKENS = 256  # the router's cost of one answer streaming, in prompt tokens to prefill
+STREAM_TOKENS = 32  # the router's cost of one answer streaming, in prompt tokens to prefill
 MOST_SESSIONS = 65536  # sessions remembered (least recently used go first)
 
 

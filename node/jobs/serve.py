@@ -330,6 +330,7 @@ class Scheduler:
         self.spent: dict[int, tuple[float, int]] = {}  # uid -> (spent, steps) when judged
         self.ended_requests: dict[int, ServeRequest] = {}  # uid -> request, until its cache is
         # told (CachedPrefixes)
+        self.report_cached: Callable[[], None] | None = None
 
     def listen(self, stream: IO[bytes], log: Callable[[str], None]) -> None:
         self.inbox = Inbox(stream, log, self.prepare,
@@ -596,6 +597,8 @@ class Scheduler:
         del self.in_batch[uid]
         if ended:
             self.ended_requests[uid] = one.flight.request
+            if self.report_cached is not None:  # before its Stats: a client's next turn,
+                self.report_cached()  # sent as soon as this one ends, finds it cached
         self.reserved -= one.need
         self.spent.pop(uid, None)
         if not ended:
@@ -787,6 +790,8 @@ def run_serve(job: Job) -> None:
             batch.report_kept = True
         emit(Serving(model_id(spec.model), batched))
     prefixes = CachedPrefixes(emit)  # rank 0's; other ranks' batches keep kept_now unread
+    if scheduler is not None and batch is not None:
+        scheduler.report_cached = lambda: prefixes.report(batch, scheduler.ended_requests)
     live = 0
     memory_at = 0.0
 
