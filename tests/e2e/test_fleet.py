@@ -69,11 +69,20 @@ def test_two_groups_answer_at_once_as_one_process_would(fleet, model):
     assert [g["ranks"] for g in health["groups"]] == [2, 1], health
     expected = {q: reference(model, q, 12) for q in QUESTIONS}
     before = answered(fleet)
-    asks = QUESTIONS * 3
+    asks = [(q, i % 2 == 0) for i, q in enumerate(QUESTIONS * 3)]  # half of them streamed
+
+    def text(ask) -> str:
+        question, stream = ask
+        messages = [{"role": "user", "content": question}]
+        if not stream:
+            return chat(fleet.client, messages).choices[0].message.content
+        chunks = chat(fleet.client, messages, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
     with ThreadPoolExecutor(len(asks)) as pool:
-        got = list(pool.map(lambda q: chat(fleet.client, [{"role": "user", "content": q}]), asks))
-    for q, answer in zip(asks, got, strict=True):
-        assert answer.choices[0].message.content == expected[q], q
+        got = list(pool.map(text, asks))
+    for (q, _), answer in zip(asks, got, strict=True):
+        assert answer == expected[q], q
     after = answered(fleet)
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)  # both served
     status, metrics, _ = get(fleet, "/metrics")
