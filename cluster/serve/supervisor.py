@@ -191,6 +191,8 @@ def supervise(
     window = f"{settings.restart_window_s / 60:g} min"
     current = hostfile
     while True:
+        if stop is not None and (stop.is_set() or service.draining_now):  # came between jobs
+            return 0 if not stop.is_set() else 128 + signal.SIGTERM, "the server is shutting down"
         service.hostfile = current
         try:
             run_job(current, spec, launch, started=started, stderr=stderr, link=service,
@@ -200,6 +202,7 @@ def supervise(
                 error = LaunchError("error: rank 0 ended the job without being asked to")
         except LaunchError as e:
             error = e
+        service.running = None  # a signal now finds no job to drain or stop
         service.job_ended(error)
         started = None
         if error is None:

@@ -286,3 +286,18 @@ def test_a_restart_forgets_the_memory_tiers_prefixes_but_not_the_disk_tiers():
     assert groups[0].cached == names | {x.name for x in prefix_chain(keyed)}
     groups[0].job_ended(LaunchError("error: rank 0 exited"))
     assert groups[0].cached == names
+
+
+def test_a_hostfiles_groups_survive_being_written_back():
+    import yaml
+
+    from cluster.core.hostfile import dump_yaml
+
+    hf = parse_hostfile(
+        {
+            "hosts": ["a.local", "b.local"],
+            "groups": [{"hosts": [0], "mode": "tensor"}, {"hosts": ["b.local"]}],
+        }
+    )
+    again = parse_hostfile(yaml.safe_load(dump_yaml(hf)))
+    assert again.groups == hf.groups
