@@ -258,31 +258,38 @@ class Constrained:
             self.waiting = False
             new = self.tail[at + len(self.after) :]
             self.tail = []
-        began = time.thread_time()  # the matcher's own CPU time: a pause of the thread
-        # (the other rank's turn on a shared core, a page fault) is not the grammar's cost
+        # The matcher's own CPU time is the grammar's cost (Budget): a pause of the thread
+        # (the other rank's turn on a shared core, a page fault) is not, nor is MLX's work
+        # with the mask after (on CUDA a copy to the device may wait for the stream, and
+        # its wait spins: CPU time that a budget of the grammar must not charge)
+        began = time.thread_time()
         if new and self.failure is None and not self.complete:
             accepting = self.matcher.is_accepting()
             if not self.matcher.consume_tokens(new) and accepting:
                 # tokens past a complete answer (mlx-lm computes a step past its end of
                 # sequence): the answer stands; only end-of-sequence follows
                 self.complete = True
-        masked = self.masked(logits)
+        self.fill()
         self.spent += time.thread_time() - began
         self.steps += 1
-        return masked
+        return self.masked(logits)
 
-    def masked(self, logits: mx.array) -> mx.array:
-        """``logits`` with every token the grammar does not allow at -inf. On a GPU the
-        matcher's bitmask (a bit per token: 19 KB for a 150k vocabulary) goes to the device
-        as it is and is expanded there, in the step's graph (``device_mask``), rather than
-        unpacked on the host into a 150 KB array and copied, per stream per token."""
+    def fill(self) -> None:
+        """The matcher's mask of the next token into ``words`` (or its failure)."""
         from llguidance.numpy import fill_next_token_bitmask
 
-        width = logits.shape[-1]
         if self.failure is None and not self.complete and not self.matcher.is_error():
             fill_next_token_bitmask(self.matcher, self.words)
         if self.failure is None and not self.complete and self.matcher.is_error():
             self.failure = first_line(self.matcher.get_error())
+
+    def masked(self, logits: mx.array) -> mx.array:
+        """``logits`` with every token the grammar does not allow at -inf (``fill`` made the
+        mask). On a GPU the matcher's bitmask (a bit per token: 19 KB for a 150k vocabulary)
+        goes to the device as it is and is expanded there, in the step's graph
+        (``device_mask``), rather than unpacked on the host into a 150 KB array and copied,
+        per stream per token."""
+        width = logits.shape[-1]
         if self.failure is not None or self.complete:  # every rank alike: the answer ends
             allowed = np.zeros(width, dtype=bool)
             allowed[tokens().tokenizer.eos_tokens] = True
