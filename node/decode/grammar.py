@@ -176,6 +176,15 @@ class Compiling:
 compiling = Compiling()  # this rank's
 
 
+def own_copy(part: mx.array) -> mx.array:
+    """``part`` (a few tokens sliced from the history) as an array of its own to read on the
+    host. Read as a slice, the host reads the history's whole buffer, and on CUDA MLX then
+    moves that buffer into managed memory, a new managed allocation and a copy a step, the
+    buffer then back in MLX's cache for the GPU's own arrays to reuse (and fault on); a copy
+    of one or two tokens comes from MLX's pool of scalars, already where the host reads."""
+    return (part + 0).astype(mx.int32)
+
+
 SHIFTS = mx.arange(32, dtype=mx.uint32)  # a bitmask word's bits, token 32 * word + bit
 
 
@@ -242,7 +251,7 @@ class Constrained:
         # are scheduled before this step's forward, which then runs while the matcher
         # works; read after, they wait only for the step before. (Sliced after the forward
         # was scheduled, the slice waited for the forward too: a bubble on a GPU, 0.68x.)
-        unseen = history[self.start + self.fed :] if n > self.start + self.fed else None
+        unseen = own_copy(history[self.start + self.fed :]) if n > self.start + self.fed else None
         if unseen is not None:
             mx.async_eval(unseen)
         mx.async_eval(logits)

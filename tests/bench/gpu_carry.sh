@@ -43,9 +43,14 @@ run)
   printf '#!/bin/sh\nexec python3 -c "import sys; sys.argv[0] = %s; from cluster.commands import main; main()" "$@"\n' "'mlx-cluster'" > /tmp/bin/mlx-cluster
   chmod +x /tmp/bin/mlx-cluster
   export PATH=/tmp/bin:$PATH
+  python3 -c "from pathlib import Path; from tests.bench.gpu import make_8b
+make_8b(Path('/tmp/m8b'), Path('/tmp/tok'))"
+  timeout 200 python3 -m tests.bench.token_read --model /tmp/m8b --streams 1,8 --tokens 128 \
+    --repeat 3 2>&1 | tee "$OUT/token_read.txt" || true
   for streams in 1 8; do
-    python3 -m tests.bench.constrained_bench --model /tmp/m8b --eight-b /tmp/tok --ranks 1 \
-      --modes pipeline --streams $streams --repeat 5 --max-tokens 64 2>&1 | tee "$OUT/gpu$streams.txt"
+    timeout 200 python3 -m tests.bench.constrained_bench --model /tmp/m8b --ranks 1 \
+      --modes pipeline --streams $streams --repeat 3 --max-tokens 64 2>&1 \
+      | tee "$OUT/gpu$streams.txt" || true
   done ;;
 *) echo "usage: $0 prepare TOKENIZER_DIR | a | b | run" >&2; exit 2 ;;
 esac
