@@ -145,18 +145,20 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
 
+    from importlib.metadata import version
+
     import mlx.core as mx
     from mlx_lm import load
 
     from cluster.core.grammar import json_schema
     from node.decode import grammar
 
-    model, tokenizer = load(str(args.model))
+    model, tokenizer = load(str(args.model))[:2]
     vocab = model.args.vocab_size
     grammar.use_tokenizer(args.model, set(tokenizer.eos_token_ids), vocab)
     text = json_schema(SCHEMA)
     variants = args.variants.split(",")
-    print(f"device {mx.default_device()}, mlx {mx.__version__}, vocabulary {vocab}",
+    print(f"device {mx.default_device()}, mlx {version('mlx')}, vocabulary {vocab}",
           file=sys.stderr)  # fmt: skip
     rows = []
     for streams in [int(s) for s in args.streams.split(",")]:
