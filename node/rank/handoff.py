@@ -1,0 +1,352 @@
+"""A prompt's KV cache from the ranks of a prefill group to those of a decode group, over
+the rig's own links (issue 53; the plan of who sends what: cluster.core.handoff).
+
+Each decode rank listens (``Door``) on its own address. A prefill rank connects to each
+decode rank it has pieces for and proves it holds the serve's secret (an HMAC of the door's
+random challenge: the door takes KV from no one else), then sends frames as each chunk of the
+prompt is prefilled: a JSON header (ticket, layer, the heads' places, the span of tokens, the
+arrays' dtype and shape) and the keys' and values' raw bytes. Nothing is unpickled. A
+sender ends each ticket with a frame that counts the frames it sent; a decode rank holds a
+ticket complete (``Door.complete``) only when every sender it expects ended it, the counts
+agree and every layer's every head covers every token: a connection cut halfway, a sender
+that died, a count that differs leave the ticket incomplete, and it is never used
+(``Door.drop`` forgets it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import queue
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from cluster.core.handoff import Layout, Piece
+
+HEADER = struct.Struct("!I")
+MOST_HEADER = 1 << 16  # bytes of one frame's JSON header
+CHALLENGE = 32
+PROOF = b"mlx-cluster handoff"
+DTYPES = {"bfloat16": (mx.bfloat16, np.uint16), "float16": (mx.float16, np.float16),
+          "float32": (mx.float32, np.float32)}  # fmt: skip
+MOST_QUEUED = 256 << 20  # bytes a sender holds for its links before the prefill waits
+
+
+def proof(key: bytes, challenge: bytes) -> bytes:
+    return hmac.new(key, PROOF + challenge, hashlib.sha256).digest()
+
+
+def to_bytes(a: mx.array) -> tuple[str, bytes]:
+    """An array's dtype name and raw bytes (bfloat16 as its 16-bit words)."""
+    name = str(a.dtype).removeprefix("mlx.core.")
+    if name not in DTYPES:
+        raise ValueError(f"a KV cache of {name} cannot be handed off")
+    host = np.array(a.view(mx.uint16) if name == "bfloat16" else a, copy=False)
+    return name, np.ascontiguousarray(host).tobytes()
+
+
+def from_bytes(data: bytes, name: str, shape: list[int]) -> mx.array:
+    dtype, host = DTYPES[name]
+    a = mx.array(np.frombuffer(data, dtype=host).reshape(shape))
+    return a.view(dtype) if name == "bfloat16" else a
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes, or EOFError when the peer closed first."""
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError("the link closed mid-frame")
+        got += k
+    return bytes(out)
+
+
+def send_frame(sock: socket.socket, header: dict, payload: Iterable[bytes] = ()) -> int:
+    """One frame; the bytes sent."""
+    data = json.dumps(header, separators=(",", ":")).encode()
+    sock.sendall(HEADER.pack(len(data)) + data)
+    sent = HEADER.size + len(data)
+    for part in payload:
+        sock.sendall(part)
+        sent += len(part)
+    return sent
+
+
+def read_frame(sock: socket.socket) -> tuple[dict, bytes]:
+    (n,) = HEADER.unpack(recv_exact(sock, HEADER.size))
+    if n > MOST_HEADER:
+        raise ValueError(f"a frame header of {n} bytes")
+    header = json.loads(recv_exact(sock, n))
+    if not isinstance(header, dict):
+        raise ValueError("a frame header that is not an object")
+    size = header.get("nbytes", 0)
+    if not isinstance(size, int) or size < 0:
+        raise ValueError("a frame with a bad size")
+    return header, recv_exact(sock, size) if size else b""
+
+
+@dataclass
+class Received:
+    """A ticket's frames on one decode rank, as they come."""
+
+    tokens: list[int] | None = None  # the tokens the KV stands for (the senders' end frames)
+    total: int = 0
+    expected: set[int] = field(default_factory=set)  # senders that have pieces for this rank
+    ended: dict[int, int] = field(default_factory=dict)  # sender -> frames it counted
+    frames: dict[int, int] = field(default_factory=dict)  # sender -> frames that came
+    chunks: list[tuple[int, tuple[int, ...], int, int, mx.array, mx.array]] = field(
+        default_factory=list)  # (layer, places, start, end, keys, values)  # fmt: skip
+    nbytes: int = 0
+    began: float = field(default_factory=time.monotonic)
+    failed: str | None = None
+
+
+class Door:
+    """A decode rank's listener for handoffs (a thread accepting, one per connection)."""
+
+    def __init__(self, layout: Layout, key: bytes, host: str = "127.0.0.1", port: int = 0):
+        self.layout, self.key = layout, key
+        self.sock = socket.create_server((host, port), reuse_port=False)
+        self.port = self.sock.getsockname()[1]
+        self.tickets: dict[str, Received] = {}
+        self.lock = threading.Lock()
+        self.closed = False
+        threading.Thread(target=self._accept, name="handoff-door", daemon=True).start()
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        ticket = None
+        try:
+            with conn:
+                challenge = secrets.token_bytes(CHALLENGE)
+                conn.sendall(challenge)
+                if not hmac.compare_digest(recv_exact(conn, 32), proof(self.key, challenge)):
+                    return  # not one of ours: nothing it sent is read
+                while True:
+                    header, payload = read_frame(conn)
+                    ticket = header.get("ticket")
+                    if not isinstance(ticket, str):
+                        raise ValueError("a frame without a ticket")
+                    self._take(ticket, header, payload)
+        except EOFError:
+            pass  # between frames: the sender is done with this link
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            if ticket is not None:
+                self.fail(ticket, f"a handoff frame could not be read ({e})")
+
+    def _take(self, ticket: str, header: dict, payload: bytes) -> None:
+        with self.lock:
+            got = self.tickets.setdefault(ticket, Received())
+            if got.failed:
+                return
+            sender = int(header["sender"])
+            got.expected.update(int(s) for s in header.get("senders", []))
+            if header.get("last"):
+                got.ended[sender] = int(header["frames"])
+                got.tokens = np.frombuffer(payload, dtype="<i4").tolist()
+                got.total = len(got.tokens)
+                return
+            got.frames[sender] = got.frames.get(sender, 0) + 1
+        name, shape = header["dtype"], list(header["shape"])
+        half = len(payload) // 2
+        keys = from_bytes(payload[:half], name, shape)
+        values = from_bytes(payload[half:], name, shape)
+        with self.lock:
+            span = int(header["start"]), int(header["stop"])
+            got.chunks.append((int(header["layer"]), tuple(header["place"]), *span, keys, values))
+            got.nbytes += len(payload)
+
+    def fail(self, ticket: str, why: str) -> None:
+        with self.lock:
+            self.tickets.setdefault(ticket, Received()).failed = why
+
+    def complete(self, ticket: str) -> bool:
+        """Whether every sender ended the ticket, every frame came and every layer's every
+        head covers the prompt's every token."""
+        with self.lock:
+            got = self.tickets.get(ticket)
+            if got is None or got.failed or not got.expected:
+                return False
+            if set(got.ended) != got.expected or any(
+                got.frames.get(s, 0) != n for s, n in got.ended.items()
+            ):
+                return False
+            return covered(got, self.layout)
+
+    def failed(self, ticket: str) -> str | None:
+        with self.lock:
+            got = self.tickets.get(ticket)
+            return got.failed if got is not None else None
+
+    def take(self, ticket: str) -> Received:
+        """A complete ticket's frames, forgotten here."""
+        with self.lock:
+            return self.tickets.pop(ticket)
+
+    def drop(self, ticket: str) -> None:
+        with self.lock:
+            self.tickets.pop(ticket, None)
+
+
+def covered(got: Received, layout: Layout) -> bool:
+    """Every head place of every layer of ``layout`` has the tokens [0, total) without gaps."""
+    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for layer, places, start, end, _, _ in got.chunks:
+        for p in places:
+            spans.setdefault((layer, p), []).append((start, end))
+    for layer in layout.layers:
+        for p in range(len(layout.heads)):
+            at = 0
+            for start, end in sorted(spans.get((layer, p), [])):
+                if start != at:
+                    return False
+                at = end
+            if at != got.total:
+                return False
+    return True
+
+
+def layer_arrays(got: Received, layout: Layout) -> dict[int, tuple[mx.array, mx.array]]:
+    """Each layer's keys and values (1, heads, tokens, head dim) in the receiver's head
+    order, from a complete ticket's chunks."""
+    out = {}
+    for layer in layout.layers:
+        mine = sorted((c for c in got.chunks if c[0] == layer), key=lambda c: (c[2], c[1]))
+        spans = sorted({(c[2], c[3]) for c in mine})
+        keys, values = [], []
+        for start, end in spans:
+            parts = [c for c in mine if (c[2], c[3]) == (start, end)]
+            order = [p for c in parts for p in c[1]]
+            k = mx.concatenate([c[4] for c in parts], axis=1)
+            v = mx.concatenate([c[5] for c in parts], axis=1)
+            back = mx.array(np.argsort(order))
+            keys.append(k[:, back])
+            values.append(v[:, back])
+        out[layer] = (mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2))
+    return out
+
+
+class Sender:
+    """A prefill rank's links to the decode ranks it has pieces for: frames go out on a
+    thread, so the prefill's next chunk runs while the last one's KV crosses the link."""
+
+    def __init__(self, rank: int, pieces: list[Piece], doors: list[tuple[str, int]],
+                 key: bytes):  # fmt: skip
+        self.rank, self.key = rank, key
+        self.pieces = [p for p in pieces if p.sender == rank]
+        self.receivers = sorted({p.receiver for p in self.pieces})
+        self.senders_of = {r: sorted({p.sender for p in pieces if p.receiver == r})
+                           for r in self.receivers}  # fmt: skip
+        self.doors = doors
+        self.socks: dict[int, socket.socket] = {}
+        self.counts: dict[int, int] = {}
+        self.sent_bytes = 0
+        self.queue: queue.Queue = queue.Queue()
+        self.held = 0
+        self.cond = threading.Condition()
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="handoff-send", daemon=True)
+        self.thread.start()
+
+    def _connect(self, r: int) -> socket.socket:
+        if r not in self.socks:
+            host, port = self.doors[r]
+            sock = socket.create_connection((host, port), timeout=30)
+            sock.settimeout(None)
+            sock.sendall(proof(self.key, recv_exact(sock, CHALLENGE)))
+            self.socks[r] = sock
+        return self.socks[r]
+
+    def chunk(self, ticket: str, start: int, end: int,
+              layers: dict[int, tuple[mx.array, mx.array]]) -> None:  # fmt: skip
+        """Queue this rank's pieces of the tokens [start, end): ``layers`` maps each layer
+        this rank holds to its keys and values of those tokens (1, heads, tokens, dim)."""
+        for p in self.pieces:
+            if p.layer not in layers:
+                continue
+            k, v = layers[p.layer]
+            idx = mx.array(p.send)
+            k, v = k[:, idx], v[:, idx]
+            mx.eval(k, v)
+            self._put(("frame", p, ticket, start, end, k, v), k.nbytes + v.nbytes)
+
+    def end(self, ticket: str, tokens: list[int]) -> None:
+        self._put(("end", ticket, tokens), 0)
+
+    def _put(self, item: tuple, nbytes: int) -> None:
+        with self.cond:
+            while self.held > MOST_QUEUED and self.error is None:
+                self.cond.wait()
+            self.held += nbytes
+        self.queue.put((item, nbytes))
+
+    def finish(self) -> str | None:
+        """Wait until every frame left; the first error, if any."""
+        self.queue.put(None)
+        self.thread.join()
+        for sock in self.socks.values():
+            sock.close()
+        return self.error
+
+    def _run(self) -> None:
+        while (got := self.queue.get()) is not None:
+            item, nbytes = got
+            try:
+                if self.error is None:
+                    self._send(item)
+            except (OSError, ValueError) as e:
+                self.error = f"the handoff to a decode rank failed ({e})"
+            with self.cond:
+                self.held -= nbytes
+                self.cond.notify_all()
+
+    def _send(self, item: tuple) -> None:
+        if item[0] == "end":
+            _, ticket, tokens = item
+            data = np.asarray(tokens, dtype="<i4").tobytes()
+            for r in self.receivers:
+                header = {"ticket": ticket, "sender": self.rank, "last": True,
+                          "frames": self.counts.get(r, 0), "senders": self.senders_of[r],
+                          "nbytes": len(data)}  # fmt: skip
+                self.sent_bytes += send_frame(self._connect(r), header, (data,))
+            return
+        _, p, ticket, start, end, k, v = item
+        name, kb = to_bytes(k)
+        _, vb = to_bytes(v)
+        header = {"ticket": ticket, "sender": self.rank, "senders": self.senders_of[p.receiver],
+                  "layer": p.layer, "place": list(p.place), "start": start, "stop": end,
+                  "dtype": name, "shape": list(k.shape), "nbytes": len(kb) + len(vb)}  # fmt: skip
+        self.sent_bytes += send_frame(self._connect(p.receiver), header, (kb, vb))
+        self.counts[p.receiver] = self.counts.get(p.receiver, 0) + 1
+
+
+def fill_cache(cache: list, slots: dict[int, int], arrays: dict[int, Any]) -> list:
+    """``cache`` (the model's fresh cache list) holding the handed-off keys and values:
+    ``slots`` maps each layer to its place in the list."""
+    for layer, (k, v) in arrays.items():
+        cache[slots[layer]].update_and_fetch(k, v)  # laid out as a prefill lays it out
+    mx.eval([(cache[slots[layer]].keys, cache[slots[layer]].values) for layer in arrays])
+    return cache

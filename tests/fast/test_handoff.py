@@ -1,0 +1,146 @@
+"""A prompt's KV cache handed from a prefill group's ranks to a decode group's (issue 53), in
+one process over loopback: re-cut for each sharding pair, every layer and head where the
+decode rank holds it, a cache built from it continues the prompt exactly; a cut link, a
+missing sender or a stranger's key leave nothing to use."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from cluster.core.handoff import Layout, group_layouts, plan_pieces
+from node.rank.handoff import Door, Sender, fill_cache, layer_arrays
+from tests.support.kv import SMALL, TOKENS, next_logits, prefilled, small_llama
+
+KEY = b"k" * 32
+CONFIG = {"model_type": "llama", **SMALL}
+CHUNK = 300
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return small_llama(tmp_path_factory.mktemp("handoff"))[1]
+
+
+@pytest.fixture(scope="module")
+def full(model):
+    """The prompt (all but its last token) prefilled by one rank: each layer's keys and
+    values (1, every KV head, tokens, dim)."""
+    cache, _ = prefilled(model, TOKENS[:-1])
+    return {i: (c.keys[:, :, : c.offset], c.values[:, :, : c.offset]) for i, c in enumerate(cache)}
+
+
+def held(full, layout: Layout, start: int, end: int) -> dict:
+    """What a rank laid out as ``layout`` holds of the tokens [start, end)."""
+    idx = mx.array(layout.heads)
+    return {layer: (full[layer][0][:, idx, start:end], full[layer][1][:, idx, start:end])
+            for layer in layout.layers}  # fmt: skip
+
+
+def hand_off(full, senders: list[Layout], receivers: list[Layout], ticket="t1", key=KEY):
+    doors = [Door(r, KEY) for r in receivers]
+    pieces = plan_pieces(senders, receivers)
+    links = [Sender(s, pieces, [("127.0.0.1", d.port) for d in doors], key)
+             for s in range(len(senders))]  # fmt: skip
+    n = len(TOKENS) - 1
+    for start in range(0, n, CHUNK):  # as the prefill goes: a chunk at a time
+        end = min(n, start + CHUNK)
+        for s, link in enumerate(links):
+            link.chunk(ticket, start, end, held(full, senders[s], start, end))
+    for link in links:
+        link.end(ticket, TOKENS[:-1])
+    errors = [link.finish() for link in links]
+    assert errors == [None] * len(links)
+    return doors
+
+
+def wait_complete(door: Door, ticket="t1", timeout=10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if door.complete(ticket):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+PAIRS = [((1, "pipeline"), (1, "pipeline")), ((1, "pipeline"), (2, "pipeline")),
+         ((1, "pipeline"), (2, "tensor")), ((2, "pipeline"), (1, "pipeline")),
+         ((2, "tensor"), (2, "pipeline")), ((2, "pipeline"), (4, "tensor"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("prefill,decode", PAIRS, ids=lambda g: f"{g[1]}{g[0]}")
+def test_each_decode_rank_gets_exactly_what_it_holds(full, prefill, decode):
+    senders = group_layouts(CONFIG, prefill[1], prefill[0])
+    receivers = group_layouts(CONFIG, decode[1], decode[0])
+    doors = hand_off(full, senders, receivers)
+    for door, layout in zip(doors, receivers, strict=True):
+        assert wait_complete(door)
+        got = door.take("t1")
+        assert got.tokens == TOKENS[:-1]
+        arrays = layer_arrays(got, layout)
+        want = held(full, layout, 0, len(TOKENS) - 1)
+        assert sorted(arrays) == sorted(want) == sorted(layout.layers)
+        for layer, (k, v) in arrays.items():
+            assert mx.array_equal(k, want[layer][0]).item()
+            assert mx.array_equal(v, want[layer][1]).item()
+        door.close()
+
+
+def test_a_replicated_kv_head_comes_to_every_rank_that_holds_it():
+    receivers = group_layouts(CONFIG, "tensor", 4)  # 2 KV heads over 4 ranks
+    assert [r.heads for r in receivers] == [(0,), (0,), (1,), (1,)]
+    pieces = plan_pieces(group_layouts(CONFIG, "pipeline", 2), receivers)
+    for r in range(4):  # each layer from the pipeline rank that holds it
+        assert sorted((p.layer, p.sender) for p in pieces if p.receiver == r) == [(0, 1), (1, 0)]
+
+
+def test_a_cache_built_from_a_handoff_continues_the_prompt_exactly(model, full):
+    (layout,) = group_layouts(CONFIG, "pipeline", 1)
+    (door,) = hand_off(full, group_layouts(CONFIG, "pipeline", 2), [layout])
+    assert wait_complete(door)
+    cache = fill_cache(make_prompt_cache(model), {i: i for i in layout.layers},
+                       layer_arrays(door.take("t1"), layout))  # fmt: skip
+    want = next_logits(model, prefilled(model, TOKENS[:-1])[0], TOKENS[-1:])
+    assert mx.array_equal(next_logits(model, cache, TOKENS[-1:]), want).item()
+    door.close()
+
+
+def test_a_link_cut_halfway_leaves_the_ticket_incomplete(full):
+    (layout,) = group_layouts(CONFIG, "pipeline", 1)
+    door = Door(layout, KEY)
+    pieces = plan_pieces([layout], [layout])
+    link = Sender(0, pieces, [("127.0.0.1", door.port)], KEY)
+    link.chunk("t1", 0, CHUNK, held(full, layout, 0, CHUNK))
+    assert link.finish() is None  # the sender dies here: no second chunk, no end frame
+    time.sleep(0.2)
+    assert not door.complete("t1") and door.failed("t1") is None
+    # an end frame that counts more frames than came: still not complete
+    link = Sender(0, pieces, [("127.0.0.1", door.port)], KEY)
+    link.counts[0] = 5
+    link.end("t1", TOKENS[:-1])
+    assert link.finish() is None
+    assert not wait_complete(door, timeout=0.5)
+    door.drop("t1")
+    assert "t1" not in door.tickets
+    door.close()
+
+
+def test_a_stranger_without_the_key_is_not_read(full):
+    (layout,) = group_layouts(CONFIG, "pipeline", 1)
+    door = Door(layout, KEY)
+    pieces = plan_pieces([layout], [layout])
+    link = Sender(0, pieces, [("127.0.0.1", door.port)], b"x" * 32)
+    link.chunk("t1", 0, len(TOKENS) - 1, held(full, layout, 0, len(TOKENS) - 1))
+    link.end("t1", TOKENS[:-1])
+    link.finish()  # the door closed on it: an error, or nothing taken
+    with socket.create_connection(("127.0.0.1", door.port)) as s:  # a frame without the proof
+        s.recv(32)
+        s.sendall(b"\0" * 32 + json.dumps({"ticket": "t2"}).encode())
+    time.sleep(0.2)
+    assert door.tickets == {}
+    door.close()
