@@ -103,9 +103,14 @@ def run(spec: JobSpec) -> None:
         from node.model.draft import load_draft
 
         loaded.speculation = load_draft(spec.draft, loaded, group)
+    door = None
+    if spec.command == "serve" and spec.handoff.role == "decode":  # KV comes from prefill groups
+        from node.rank.handoff import open_door
+
+        door = open_door(loaded, spec, group.rank())
     barrier(group)
     layers = None if loaded.layers is None else list(loaded.layers)
-    emit(Ready(time.perf_counter() - tic, layers=layers, files=loaded.files))
+    emit(Ready(time.perf_counter() - tic, layers=layers, files=loaded.files, door=door))
     check_kv_quant(loaded.config, spec.kv_quant.kv_bits, spec.kv_quant.kv_group_size)
     steps = {"prefill_step_size": spec.prefill_step} if spec.prefill_step else {}
     use_step_args({**spec.kv_quant.generate_kwargs(), **steps}, spec.stages)

@@ -198,6 +198,8 @@ def chat(**values):
     "served_model_name",
     "replicas",
     "routing",
+    "prefill_groups",
+    "disaggregate_min_tokens",
     "drain_timeout",
     "max_restarts",
     "restart_window_s",

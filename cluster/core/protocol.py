@@ -59,6 +59,7 @@ class Ready:
     load_s: float
     layers: list[int] | None = None  # [first, end) of a pipeline stage; None: all layers
     files: list[str] = field(default_factory=list)
+    door: int | None = None  # a decode group's rank: the port its handoff door listens on
 
 
 @dataclass
@@ -261,6 +262,20 @@ class Cached:
     # since the ranks started (they stay there across restarts)
 
 
+@dataclass
+class Handed:
+    """Serve, a prefill group's rank 0: a prompt prefilled and its KV sent to the decode
+    group's ranks (``error``: it was not, and the decode group prefills it itself)."""
+
+    kind = "handed"
+    request: str
+    ticket: str
+    tokens: int
+    nbytes: int
+    seconds: float
+    error: str | None = None
+
+
 MOST_CACHED = 4096  # links one Cached event names (the most recent first)
 
 
@@ -277,6 +292,7 @@ Event = (
     | Counted
     | Admitted
     | Refused
+    | Handed
     | Memory
     | Notice
     | AwaitingInput

@@ -209,6 +209,23 @@ class ServeSettings:
         "round-robin.",
         choices=("prefix", "least-loaded", "round-robin"),
     )
+    prefill_groups: int = param(
+        0,
+        Range(0, 63, integer=True),
+        "Of the groups (--replicas, or the hostfile's 'groups:'), the first K only prefill: a "
+        "request whose prompt has at least --disaggregate-min-tokens tokens to prefill is "
+        "prefilled there and its KV cache handed to the group that decodes it, so long prompts "
+        "never stall the streams decoding elsewhere (docs/serve.md).",
+        metavar="K",
+    )
+    disaggregate_min_tokens: int = param(
+        2048,
+        Range(1, integer=True),
+        "With --prefill-groups: the fewest prompt tokens to prefill (beyond what the decoding "
+        "group holds cached) that go to a prefill group; shorter prompts prefill where they "
+        "decode.",
+        metavar="TOKENS",
+    )
     drain_timeout: float = param(
         30.0,
         Range(0),
@@ -365,6 +382,22 @@ class ServeRequest:
     logprobs: int | None = None  # None: none; 0: each token's own; k: and the k likeliest
     constraint: Constraint | None = None  # a grammar the answer must match
     cache_key: str | None = None  # prompt_cache_key: the prompt cache's entries of this key only
+    handoff: HandoffTicket | None = None  # its prompt prefilled by a prefill group
+
+
+@dataclass
+class HandoffTicket:
+    """A request whose prompt a prefill group prefills and hands to a decode group (issue
+    53). The decode group's rank 0 gets the ticket alone: it holds the request until every
+    rank has the KV. The prefill group's gets where the KV goes: each decode rank's door and
+    the decode group's plan (its ranks' layouts: cluster.core.handoff.group_layouts)."""
+
+    ticket: str
+    doors: list[list[Any]] = field(default_factory=list)  # [host, port] per decode rank
+    mode: str = "pipeline"
+    world: int = 1
+    split: list[int] | None = None
+    weights: list[float] | None = None
 
 
 @dataclass
@@ -407,6 +440,30 @@ class Order:
     rest: bool = False  # nothing to do: every rank rests until rank 0 wakes it (node.rank)
     compile: list[Grammar] = field(default_factory=list)  # build these matchers, off the loop
     dropped: list[int] = field(default_factory=list)  # tickets whose requests will not come
+    # handoffs (issue 53). A decode group: tickets whose KV comes to every rank's door
+    # (``expect``), then is planted in the prompt cache (``adopt``) or forgotten (``forget``).
+    expect: list[str] = field(default_factory=list)
+    adopt: list[Adopt] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)
+    prefill: PrefillOrder | None = None  # a prefill group: prefill these tokens, hand them off
+
+
+@dataclass
+class Adopt:
+    """A handoff every decode rank holds whole: plant it in the prompt cache's ``scope``."""
+
+    ticket: str
+    cache_key: str | None = None
+
+
+@dataclass
+class PrefillOrder:
+    """A prefill group's every rank: prefill ``tokens`` (all of the prompt but its last token)
+    and send each rank's KV to the decode ranks, as ``handoff`` says."""
+
+    handoff: HandoffTicket
+    tokens: list[int]
+    request: str = ""  # its id (rank 0 answers with Handed)
 
 
 @dataclass
@@ -608,6 +665,7 @@ class JobSpec:
         "gives (docs/serve.md). Measure it with bench --concurrency.",
         metavar="N",
     )
+    handoff: Handoff = field(default_factory=lambda: Handoff())
     measure_links: bool = param(
         True,
         help="As the ranks start (and restart), measure each link "
@@ -638,6 +696,18 @@ class JobSpec:
             changes.setdefault("serve", ServeSettings())
         changes.setdefault("serve", dataclasses.replace(self.serve, api_key=None))
         return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class Handoff:
+    """A serve group's part in handoffs (--prefill-groups), on every rank: ``prefill`` only
+    prefills and sends KV, ``decode`` takes KV at a door (on ``host``, this rank's address
+    as the others reach it) from holders of ``key`` (the fleet's secret, hex), ``both`` (no
+    prefill groups) neither."""
+
+    role: str = "both"
+    key: str = ""
+    host: str = "127.0.0.1"
 
 
 @dataclass

@@ -174,6 +174,7 @@ def rank_launches(hostfile: Hostfile, spec: JobSpec, launch: LaunchSettings) -> 
                 ranks_on_host=per_host[e.rank],
                 launcher_timeout=launch.heartbeat_timeout,
                 backend=hostfile.backend,
+                handoff=replace(spec.handoff, host=e.host.hostname),
             ).to_json(),
             cwd=e.host.cwd,
             extra_env={

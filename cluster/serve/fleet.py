@@ -27,15 +27,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import IO
 
-from cluster.core.hostfile import Host, Hostfile, HostfileError, local_hostfile
+from cluster.core.hostfile import Host, Hostfile, HostfileError, local_hostfile, split_weights
 from cluster.core.prefix import longest_held, prefix_chain
-from cluster.core.spec import JobSpec, LaunchSettings
+from cluster.core.protocol import Handed
+from cluster.core.spec import HandoffTicket, JobSpec, LaunchSettings
+from cluster.job.launcher import log
 from cluster.serve.api.shared import ApiRequest
 from cluster.serve.metrics import Metrics
 from cluster.serve.service import Service
@@ -73,10 +76,19 @@ def plan_groups(
         by_index = {h.index: h for h in hostfile.hosts}
         members = [([by_index[i] for i in g.hosts], g.mode) for g in hostfile.groups]
     elif replicas == 1:
+        if spec.serve.prefill_groups:
+            raise HostfileError("--prefill-groups needs several groups (--replicas, or the "
+                                "hostfile's 'groups:'): one to prefill, one to decode")  # fmt: skip
         return [GroupPlan(hostfile, spec, launch)]
     else:
         members = [(hosts, None) for hosts in split_hosts(hostfile, replicas)]
-    plans, ports = [], 0
+    prefill = spec.serve.prefill_groups
+    if prefill and prefill >= len(members):
+        raise HostfileError(f"--prefill-groups {prefill}: of {len(members)} group(s) at least one "
+                            "must decode (--replicas)")  # fmt: skip
+    key = secrets.token_hex(32)  # the fleet's: each decode rank's door takes KV from its holders
+    plans: list[GroupPlan] = []
+    ports = 0
     shared = blas_threads(hostfile, [hosts for hosts, _ in members])
     for hosts, mode in members:
         part = dataclasses.replace(hostfile, hosts=hosts, groups=[], env={**shared, **hostfile.env})
@@ -84,7 +96,10 @@ def plan_groups(
         if launch.starting_port is not None:  # groups on one machine must not share ports
             own = dataclasses.replace(launch, starting_port=launch.starting_port + ports)
             ports += sum(h.slots * max(1, len(h.ips)) for h in hosts) * launch.connections_per_ip
-        plans.append(GroupPlan(part, dataclasses.replace(spec, mode=mode or spec.mode), own))
+        role = "both" if not prefill else "prefill" if len(plans) < prefill else "decode"
+        handoff = dataclasses.replace(spec.handoff, role=role, key=key if prefill else "")
+        plans.append(GroupPlan(part, dataclasses.replace(spec, mode=mode or spec.mode,
+                                                         handoff=handoff), own))  # fmt: skip
     return plans
 
 
@@ -180,6 +195,10 @@ class Fleet:
             g.bad_grammars = first.bad_grammars
         for g in groups:
             g.reroute = self.reroute
+        # --prefill-groups (issue 53): groups that only prefill, and those that decode
+        self.prefillers = [g for g in groups if g.spec.handoff.role == "prefill"]
+        self.decoders = [g for g in groups if g.spec.handoff.role != "prefill"]
+        self.min_handoff = first.settings.disaggregate_min_tokens
 
     @property
     def url(self) -> str:
@@ -195,7 +214,43 @@ class Fleet:
 
     def submit(self, req: ApiRequest) -> None:
         g, reason = self.route(req)
+        if self.prefillers and req.request.kind != "count":
+            self.hand_off(req, self.groups[g])
         self.send(req, g, reason)
+
+    def hand_off(self, req: ApiRequest, decoder: Service) -> None:
+        """A long prompt to a ready prefill group (the least loaded), which sends its KV to
+        ``decoder``'s ranks; ``decoder`` holds the request until its ranks have it, or
+        prefills it itself when the handoff fails."""
+        doors = decoder.handoff_doors()
+        ready = [g for g in self.prefillers if g.ready and not g.closed and not g.draining_now]
+        if doors is None or not ready or self.to_prefill(req, decoder) < self.min_handoff:
+            return
+        prefiller = min(ready, key=lambda g: (g.load.prompt_tokens + g.load.requests, g.group))
+        ticket = HandoffTicket(secrets.token_hex(8))
+        req.request = dataclasses.replace(req.request, handoff=ticket)
+        plan = dataclasses.replace(ticket, doors=doors, mode=decoder.spec.mode,
+                                   world=len(doors), split=decoder.spec.split,
+                                   weights=split_weights(decoder.hostfile))  # fmt: skip
+        inner = ApiRequest(req.endpoint, dataclasses.replace(req.request, handoff=plan),
+                           stream=False, model=req.model)  # fmt: skip
+        inner.group = prefiller.group
+
+        def handed(event: Handed) -> None:  # on the prefill group's loop
+            if event.error is not None:
+                log(prefiller.stderr, f"a handoff failed ({event.error}); group "
+                                      f"{decoder.group} prefills the prompt itself")  # fmt: skip
+                decoder.post(decoder.write, {"op": "handoff_failed", "ticket": ticket.ticket})
+                return
+            req.handed = {"handoff_n": event.tokens, "handoff_bytes": event.nbytes,
+                          "handoff_ms": round(event.seconds * 1000, 1),
+                          "handoff_group": prefiller.group}  # fmt: skip
+            self.metrics.handoffs.labels(group=str(prefiller.group)).inc()
+            self.metrics.handoff_bytes.inc(event.nbytes)
+
+        inner.on_handed = handed
+        self.count_in(inner, prefiller)
+        prefiller.submit(inner)
 
     def send(self, req: ApiRequest, g: int, reason: str) -> None:
         req.group = g
@@ -208,9 +263,9 @@ class Fleet:
 
     def route(self, req: ApiRequest, leaving: Service | None = None) -> tuple[int, str]:
         """The group for ``req`` and why (module docstring)."""
-        open_ = [g for g in self.groups if g is not leaving and not g.closed
+        open_ = [g for g in self.decoders if g is not leaving and not g.closed
                  and not g.draining_now]  # fmt: skip
-        ready = [g for g in open_ if g.ready] or open_ or [self.groups[0]]
+        ready = [g for g in open_ if g.ready] or open_ or [self.decoders[0]]
         with self.lock:
             if req.session is not None:
                 g = self.sessions.get(req.session)

@@ -91,6 +91,14 @@ class Metrics:
                 "the longest cached prefix; session: the session's group; load: least work; "
                 "round_robin; rerouted: its group failed)", ["group", "reason"], registry=r,
             )  # fmt: skip
+            self.handoffs = Counter(
+                "mlx_cluster_handoffs", "Prompts a prefill group prefilled and handed to a "
+                "decode group (--prefill-groups)", ["group"], registry=r,
+            )  # fmt: skip
+            self.handoff_bytes = Counter(
+                "mlx_cluster_handoff_bytes", "Bytes of KV cache the prefill groups sent",
+                registry=r,
+            )  # fmt: skip
         self.content_type = CONTENT_TYPE_LATEST
 
     def waiting(self, group: int, n: int) -> None:

@@ -41,9 +41,11 @@ from cluster.core.protocol import (
     Cached,
     Counted,
     Event,
+    Handed,
     LinkReport,
     Piece,
     Prefill,
+    Ready,
     Refused,
     Serving,
     Stats,
@@ -165,6 +167,7 @@ class Service:
         self.all_hosts = list(hostfile.hosts)  # the hostfile's, those left out included
         self.hostfile = hostfile  # the hosts of the current job
         self.answers: deque[Answered] = deque(maxlen=ANSWERS_KEPT)  # for /v1/cluster's figures
+        self.doors: dict[int, int] = {}  # a decode group's ranks' handoff ports (issue 53)
         self.calls: queue.SimpleQueue = queue.SimpleQueue()  # reentrant: signal handlers post
         self.pending: deque[ApiRequest] = deque()
         self.waiting_since: dict[str, float] = {}
@@ -292,6 +295,14 @@ class Service:
         """Refuse new requests; with ``tell``, ask rank 0 to drain after what it was sent."""
         self.post(self.start_drain, tell)
 
+    def handoff_doors(self) -> list[list] | None:
+        """Where a prefill group sends this group's KV: each rank's [address, port], once
+        every rank of the running job opened its door (None until then)."""
+        hosts = [h.hostname for h in self.hostfile.hosts for _ in range(h.slots)]
+        if not self.ready or sorted(self.doors) != list(range(len(hosts))):
+            return None
+        return [[hosts[r], self.doors[r]] for r in range(len(hosts))]
+
     def on_event(self, rank: int, event: Event) -> None:
         self.post(self.event, rank, event, time.monotonic())
 
@@ -381,6 +392,16 @@ class Service:
             self.outbox.put(END_OF_INPUT)
 
     def event(self, rank: int, event: Event, now: float) -> None:
+        if isinstance(event, Ready) and event.door is not None:
+            self.doors[rank] = event.door
+            return
+        if isinstance(event, Handed):
+            handed = self.inflight.pop(event.request, None)
+            if handed is not None:
+                if handed.req.on_handed is not None:
+                    handed.req.on_handed(event)
+                handed.req.chunks.put(END)
+            return
         if isinstance(event, Serving):
             self.became_ready(event, now)
             return
@@ -422,6 +443,8 @@ class Service:
         elif isinstance(event, Stats):
             del self.inflight[req.id]
             req.result = to_dict(event)
+            if req.handed:
+                req.result.setdefault("timings", {}).update(req.handed)
             req.chunks.put(END)
             self.answered += 1
             if not flight.gone:
@@ -459,6 +482,7 @@ class Service:
         the ranks fail). A stream under way ends with an error event."""
         self.ready = False
         self.links = None  # the next ranks measure theirs
+        self.doors = {}  # and open their own doors
         self.cached = frozenset(self.on_disk)  # the memory tier is gone with the ranks
         if self.outbox is not None:
             self.outbox.put(None)

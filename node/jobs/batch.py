@@ -291,6 +291,15 @@ class Lockstep:
         for generator in self.generators:
             generator.prefill_step_size = step
 
+    def adopt(self, ticket: str, cache_key: str | None) -> None:
+        """A handoff every rank holds whole, planted in the prompt cache (every rank alike),
+        where the request that waits for it finds it as any cached prefix."""
+        from node.rank.handoff import adopted_cache
+
+        tokens, cache = adopted_cache(ticket, self.model)
+        if self.prompt_cache is not None and tokens:
+            self.prompt_cache.insert_cache(cache_scope(cache_key), tokens, cache)
+
     def nearest(self, tokens: list[int], scope: str = MODEL_KEY) -> tuple:
         """The cache of the longest cached prefix of ``tokens`` (in memory, else on disk),
         the tokens after it and how many of those before it were read from disk; at least the

@@ -40,6 +40,7 @@ from cluster.core.protocol import (
     Admitted,
     Cached,
     Counted,
+    Handed,
     Memory,
     Notice,
     Prefill,
@@ -49,9 +50,11 @@ from cluster.core.protocol import (
     Wake,
 )
 from cluster.core.spec import (
+    Adopt,
     Grammar,
     JobSpec,
     Order,
+    PrefillOrder,
     Sampling,
     ServeRequest,
     ServeSetup,
@@ -71,6 +74,7 @@ from node.rank.watchdog import progress
 PING_S = 2.0  # without a launcher to wake them, idle ranks meet this often (a ping)
 ORDER_BYTES = 32 << 20  # an order's requests, encoded: more wait for the next round
 MEMORY_EVERY_S = 5.0  # each rank reports its peak memory this often (the API's /metrics)
+HANDOFF_WAIT_S = 120.0  # a decode group prefills a handed-off prompt itself past this wait
 
 
 @dataclass
@@ -95,6 +99,7 @@ class Inbox:
                  failed: Callable[[str, str], None] = lambda request, why: None):  # fmt: skip
         self.flights: queue.Queue[Flight | None] = queue.Queue()  # prepared; None wakes the loop
         self.known: dict[str, Flight] = {}  # not yet ended, by id
+        self.handoffs_failed: set[str] = set()  # tickets whose KV will not come (issue 53)
         self.draining = threading.Event()
         self.prepared_all = threading.Event()  # every request before the drain is in ``flights``
         self.log = log
@@ -143,6 +148,9 @@ class Inbox:
             if message.get("op") == "cancel":
                 if flight := self.known.get(message["id"]):
                     flight.cancel.set()
+                return
+            if message.get("op") == "handoff_failed":  # its prompt is prefilled here instead
+                self.handoffs_failed.add(str(message["ticket"]))
                 return
             request = from_dict(ServeRequest, message["request"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -306,8 +314,16 @@ class Scheduler:
     batched."""
 
     def __init__(self, tokenizer, emit, batched: bool, drain_timeout: float, admission: Admission,
-                 rests: bool = False):  # fmt: skip
+                 rests: bool = False, role: str = "both"):  # fmt: skip
         self._inbox: Inbox | None = None  # set by ``listen``
+        # handoffs (issue 53): a prefill group's prompts to prefill and hand off; a decode
+        # group's requests waiting for their KV, by ticket (with when they came), the tickets
+        # to announce to every rank, and those every rank holds whole (``handed``)
+        self.role = role
+        self.prefills: deque[Flight] = deque()
+        self.awaiting: dict[str, tuple[Flight, SharedRequest, float]] = {}
+        self.expecting: list[str] = []
+        self.handed_now: list[str] = []
         self.rests = rests  # idle: every rank rests (Order.rest) instead of pinging
         self.tokenizer = tokenizer
         self.admission = admission
@@ -397,13 +413,21 @@ class Scheduler:
         if flight.cancel.is_set() or flight.shared is None:
             self.inbox.ended(flight)
             return
-        self.waiting.append((flight, flight.shared))
+        handoff = flight.request.handoff
+        if handoff is not None and self.role == "prefill":
+            self.prefills.append(flight)
+        elif handoff is not None and self.role == "decode" and self.batched:
+            self.awaiting[handoff.ticket] = (flight, flight.shared, time.monotonic())
+            self.expecting.append(handoff.ticket)
+        else:
+            self.waiting.append((flight, flight.shared))
 
     def order(self, live: int) -> Order | None:
         """The next order for every rank: an empty one is a ping (nothing to do, all still
         here), None means go on as before. Blocks while there is nothing to do."""
         inbox = self.inbox
-        if not live and not self.waiting and not self.compiling:
+        if not live and not self.waiting and not self.compiling and not self.awaiting \
+                and not self.prefills:  # fmt: skip
             if inbox.prepared_all.is_set() and inbox.flights.empty():
                 return Order(quit=True)
             try:
@@ -419,9 +443,12 @@ class Scheduler:
         for uid, one in list(self.in_batch.items()):  # a client gone while its prompt prefills
             if one.first is None and one.flight.cancel.is_set():
                 self.finish(uid, one, "cancelled")
+        if self.prefills and not live and not self.removals:  # a prefill group's next prompt
+            return self.prefill_order()
         order = Order(remove=self.removals)
         self.removals = []
         self.announce(order)
+        self.handoffs(order)
         insert: list[SharedRequest] = []
         size = tokens = 0
         room = self.admission.kv_room
@@ -447,7 +474,52 @@ class Scheduler:
             insert.append(request)
             self.inserting.append(self.waiting.popleft())
         order.insert = insert
-        return order if insert or order.remove or order.compile or order.dropped else None
+        busy = order.expect or order.adopt or order.forget
+        return order if insert or order.remove or order.compile or order.dropped or busy else None
+
+    def prefill_order(self) -> Order | None:
+        """A prefill group: the next prompt to prefill and hand off (all but its last token:
+        the decode group runs that one, as it runs a cached prompt's)."""
+        flight = self.prefills.popleft()
+        if flight.cancel.is_set() or flight.shared is None or flight.request.handoff is None:
+            self.inbox.ended(flight)
+            return None
+        self.inserting = [(flight, flight.shared)]
+        return Order(prefill=PrefillOrder(flight.request.handoff, flight.shared.tokens[:-1],
+                                          flight.request.id))  # fmt: skip
+
+    def handed(self, order: PrefillOrder, nbytes: int, seconds: float, error: str | None) -> None:
+        """A prefill group's rank 0: the handoff done (or not), told to the launcher."""
+        flight, _ = self.inserting[0]
+        self.inserting = []
+        self.emit(Handed(order.request, order.handoff.ticket, len(order.tokens), nbytes,
+                         round(seconds, 4), error))  # fmt: skip
+        self.inbox.ended(flight)
+
+    def handoffs(self, order: Order) -> None:
+        """A decode group: tickets every rank is to expect, those every rank holds whole
+        (adopted: their requests join as cached prompts) and those that will not come (a
+        failed prefill group, a cancel, a wait past HANDOFF_WAIT_S: forgotten, their
+        requests prefill here)."""
+        if not (self.expecting or self.handed_now or self.awaiting):
+            return
+        order.expect, self.expecting = self.expecting, []
+        now = time.monotonic()
+        failed = self.inbox.handoffs_failed
+        for ticket in self.handed_now:
+            flight, shared, _ = self.awaiting.pop(ticket)
+            order.adopt.append(Adopt(ticket, shared.cache_key))
+            self.waiting.appendleft((flight, shared))
+        self.handed_now = []
+        for ticket, (flight, shared, since) in list(self.awaiting.items()):
+            if flight.cancel.is_set() or ticket in failed or now - since > HANDOFF_WAIT_S:
+                del self.awaiting[ticket]
+                failed.discard(ticket)
+                order.forget.append(ticket)
+                if flight.cancel.is_set():
+                    self.inbox.ended(flight)
+                else:
+                    self.waiting.append((flight, shared))
 
     def announce(self, order: Order) -> None:
         """Requests with a grammar go to every rank's Compiling first (``order.compile``),
@@ -732,6 +804,7 @@ def run_serve(job: Job) -> None:
 
     from node.decode.prefill import PREFILL_STEP
     from node.jobs.batch import Lockstep, batchable, micro_batches_note
+    from node.rank import handoff
     from node.rank.memory import memory_left
     from node.rank.share import share_order, share_typed
     from node.rank.watchdog import can_rest, launcher_input, wait_for_wake
@@ -783,7 +856,7 @@ def run_serve(job: Job) -> None:
         admission = Admission.of(loaded.config, options)
         admission.kv_room, admission.grammar_tokens = room, grammar_tokens
         scheduler = Scheduler(loaded.tokenizer, emit, batched, options.drain_timeout, admission,
-                              rests=can_rest())  # fmt: skip
+                              rests=can_rest(), role=spec.handoff.role)  # fmt: skip
         scheduler.listen(launcher_input(), log)
         if batch is not None:
             scheduler.grammars = batch.grammars
@@ -809,6 +882,10 @@ def run_serve(job: Job) -> None:
             built = agree_built(group, wait=0.0 if live else 0.02)
             if scheduler is not None:
                 scheduler.compiled(built)
+        if handoff.PENDING:  # the same on every rank too
+            done = handoff.agree_handed(group, wait=0.0 if live else 0.02)
+            if scheduler is not None:
+                scheduler.handed_now = done
         order = scheduler.order(live) if scheduler is not None else None
         if scheduler is not None and batch is not None:
             joining = [len(r.tokens) for r in order.insert] if order is not None else []
@@ -822,6 +899,18 @@ def run_serve(job: Job) -> None:
             compiling.drop(order.dropped)
             if order.quit:
                 break
+            handoff.expect(order.expect)
+            handoff.forget(order.forget)
+            if order.prefill is not None:
+                step = agreed.prefill_step
+                sent = handoff.prefill_and_send(order.prefill, loaded, spec, group, step,
+                                                progress.tick)  # fmt: skip
+                if scheduler is not None:
+                    scheduler.handed(order.prefill, *sent)
+                continue
+            if batch is not None:
+                for adopt in order.adopt:
+                    batch.adopt(adopt.ticket, adopt.cache_key)
             if order.single is not None:
                 decode_alone(order.single, scheduler, loaded, group, vocab, emit)
                 continue

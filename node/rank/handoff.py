@@ -40,6 +40,7 @@ PROOF = b"mlx-cluster handoff"
 DTYPES = {"bfloat16": (mx.bfloat16, np.uint16), "float16": (mx.float16, np.float16),
           "float32": (mx.float32, np.float32)}  # fmt: skip
 MOST_QUEUED = 256 << 20  # bytes a sender holds for its links before the prefill waits
+MOST_AGE_S = 600.0  # a ticket no one took this long after its first frame is dropped
 
 
 def proof(key: bytes, challenge: bytes) -> bytes:
@@ -159,6 +160,10 @@ class Door:
 
     def _take(self, ticket: str, header: dict, payload: bytes) -> None:
         with self.lock:
+            if ticket not in self.tickets:  # and those no one took: their requests went away
+                now = time.monotonic()
+                for t in [t for t, r in self.tickets.items() if now - r.began > MOST_AGE_S]:
+                    del self.tickets[t]
             got = self.tickets.setdefault(ticket, Received())
             if got.failed:
                 return
@@ -350,3 +355,135 @@ def fill_cache(cache: list, slots: dict[int, int], arrays: dict[int, Any]) -> li
         cache[slots[layer]].update_and_fetch(k, v)  # laid out as a prefill lays it out
     mx.eval([(cache[slots[layer]].keys, cache[slots[layer]].values) for layer in arrays])
     return cache
+
+
+# A rank's side of handoffs in serve (issue 53): a decode rank's door, the tickets every
+# rank of its group expects (in the order rank 0's orders named them, the same everywhere).
+DOOR: Door | None = None
+PENDING: list[str] = []
+
+
+def rank_layouts(loaded, mode: str, world: int, split, weights) -> list[Layout]:
+    from cluster.core.handoff import group_layouts
+
+    return group_layouts(loaded.config, mode, world, split, weights)
+
+
+def cache_slots(cache: list, layout: Layout) -> dict[int, int]:
+    """Each of ``layout``'s layers -> its place in the model's cache list (a pipeline stage's
+    list covers every layer, its others' as SkippedCache; a family's own pipeline() keeps
+    its own layers only); ValueError when a layer's cache is not a plain KVCache."""
+    from mlx_lm.models.cache import KVCache
+
+    if len(cache) == len(layout.layers):
+        slots = {layer: i for i, layer in enumerate(layout.layers)}
+    else:
+        slots = {layer: layer for layer in layout.layers}
+    for layer, i in slots.items():
+        if type(cache[i]) is not KVCache:
+            raise ValueError(f"layer {layer}'s cache is a {type(cache[i]).__name__}, not a plain "
+                             "KV cache: its KV cannot be handed between groups")  # fmt: skip
+    return slots
+
+
+def open_door(loaded, spec, rank: int) -> int:
+    """A decode rank's door, on its address; its port (the launcher tells prefill groups)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    global DOOR
+    layout = rank_layouts(loaded, spec.mode, spec.world_size, spec.split, spec.split_weights)[rank]
+    cache_slots(make_prompt_cache(loaded.model), layout)  # a cache that can take KV, or why not
+    DOOR = Door(layout, bytes.fromhex(spec.handoff.key), spec.handoff.host)
+    return DOOR.port
+
+
+def expect(tickets: list[str]) -> None:
+    PENDING.extend(t for t in tickets if t not in PENDING)
+
+
+def forget(tickets: list[str]) -> None:
+    for t in tickets:
+        if t in PENDING:
+            PENDING.remove(t)
+        if DOOR is not None:
+            DOOR.drop(t)
+
+
+def agree_handed(group, wait: float) -> list[str]:
+    """Every rank at once: the pending tickets every rank holds whole (one all_sum of a flag
+    per ticket); ``wait``: how long a rank with nothing to decode waits for them first."""
+    from node.rank.dist import control_stream
+    from node.rank.numbers import host_ints
+
+    door = DOOR
+    deadline = time.monotonic() + wait
+    while True:
+        flags = [door is not None and door.complete(t) for t in PENDING]
+        if all(flags) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.002)
+    if group is None or group.size() == 1:
+        return [t for t, done in zip(PENDING, flags, strict=True) if done]
+    counts = mx.distributed.all_sum(mx.array(flags, dtype=mx.int32), group=group,
+                                    stream=control_stream())  # fmt: skip
+    return [t for t, n in zip(PENDING, host_ints(counts), strict=True) if n == group.size()]
+
+
+def adopted_cache(ticket: str, model) -> tuple[list[int], list]:
+    """A ticket every rank holds whole, as (its tokens, a cache holding their KV)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if DOOR is None:
+        raise RuntimeError("a handoff adopted on a rank without a door")
+    got = DOOR.take(ticket)
+    PENDING.remove(ticket)
+    cache = make_prompt_cache(model)
+    fill_cache(cache, cache_slots(cache, DOOR.layout), layer_arrays(got, DOOR.layout))
+    return got.tokens or [], cache
+
+
+def prefill_and_send(order, loaded, spec, group, step: int, tick) -> tuple[int, float, str | None]:
+    """A prefill group's every rank: prefill ``order.tokens`` a chunk of ``step`` at a time,
+    each chunk's KV to the decode ranks as it is done; (bytes this group sent, seconds,
+    the first rank's error or None), the same on every rank."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from node.rank.dist import control_stream
+    from node.rank.numbers import host_floats
+
+    h = order.handoff
+    began = time.perf_counter()
+    mine = rank_layouts(loaded, spec.mode, spec.world_size, spec.split, spec.split_weights)
+    rank = group.rank() if group is not None else 0
+    error = None
+    sender = None
+    try:
+        theirs = rank_layouts(loaded, h.mode, h.world, h.split, h.weights)
+        from cluster.core.handoff import plan_pieces
+
+        pieces = plan_pieces(mine, theirs)
+        sender = Sender(rank, pieces, [(str(d[0]), int(d[1])) for d in h.doors],
+                        bytes.fromhex(spec.handoff.key))  # fmt: skip
+        cache = make_prompt_cache(loaded.model)
+        slots = cache_slots(cache, mine[rank])
+        tokens = order.tokens
+        for start in range(0, len(tokens), step):
+            end = min(len(tokens), start + step)
+            loaded.model(mx.array(tokens[start:end])[None], cache=cache)
+            mx.eval([(cache[i].keys, cache[i].values) for i in slots.values()])
+            sender.chunk(h.ticket, start, end, {
+                layer: (cache[i].keys[:, :, start:end], cache[i].values[:, :, start:end])
+                for layer, i in slots.items()})  # fmt: skip
+            tick()
+        sender.end(h.ticket, tokens)
+    except (OSError, ValueError, RuntimeError) as e:
+        error = f"rank {rank}: {e}"
+    if sender is not None:
+        error = sender.finish() or error
+    figures = [float(sender.sent_bytes if sender else 0), 1.0 if error else 0.0]
+    if group is not None and group.size() > 1:
+        total = mx.distributed.all_sum(mx.array(figures), group=group, stream=control_stream())
+        figures = host_floats(total)
+        if figures[1] and error is None:
+            error = "another rank of the prefill group could not hand its KV off"
+    return int(figures[0]), time.perf_counter() - began, error

@@ -22,7 +22,7 @@ import queue
 import re
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -154,6 +154,10 @@ class ApiRequest:
     session: str | None = None
     group: int = 0
     to_prefill: int | None = None  # its prompt tokens the router reckoned its group prefills
+    # a prompt prefilled by a prefill group (issue 53): that request's end (the fleet's), and
+    # the handoff's figures, added to the answer's timings
+    on_handed: Callable[[Any], None] | None = None
+    handed: dict | None = None
 
     def to_rank0(self) -> ServeRequest:
         return dataclasses.replace(self.request, id=self.id)
