@@ -498,6 +498,9 @@ class Service:
             req = flight.req
             if flight.gone:
                 continue
+            if req.on_handed is not None:  # a prefill group's: its decode group prefills it
+                self.refuse(req, RequestError(502, f"the prefill group failed: {why}"))
+                continue
             req.failures_seen += 1
             if req.stream and flight.shown:
                 message = f"the answer was cut: {why}; the ranks restart; send the request again"
@@ -602,6 +605,8 @@ class Service:
             self.outbox.put(json.dumps(message).encode() + b"\n")
 
     def refuse(self, req: ApiRequest, e: RequestError) -> None:
+        if req.on_handed is not None:  # a handoff that will not come: told to its decode group
+            req.on_handed(Handed(req.id, "", 0, 0, 0.0, str(e)))
         req.chunks.put(self.public(e))
         self.metrics.finished(e.status)
 

@@ -1,0 +1,105 @@
+"""`serve --prefill-groups 1` (issue 53): a hostfile's one-rank group prefills long prompts and
+hands their KV to a tensor-2 group, which decodes them. Greedy answers equal the
+single-process ones; the decode group's prompt cache holds the handed-off prefix for the next
+turn; short prompts prefill where they decode; a killed prefill rank costs no answer (the
+decode group prefills the prompt itself)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import urllib.request
+
+import pytest
+import yaml
+
+from tests.support.processes import _children, _cmdline, descendant_ranks
+from tests.support.reference import reference
+from tests.support.serving import Served, get, wait_for
+
+LONG = "Summarize this: " + " ".join(f"item {i} is a list of things" for i in range(40))
+SHORT = "Name a color."
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def split(models, tmp_path_factory):
+    hostfile = tmp_path_factory.mktemp("handoff") / "hosts.yaml"
+    hostfile.write_text(yaml.safe_dump({
+        "hosts": [{"ssh": "127.0.0.1"}, {"ssh": "localhost", "slots": 2}],
+        "groups": [{"hosts": ["127.0.0.1"]}, {"hosts": ["localhost"], "mode": "tensor"}],
+    }))  # fmt: skip
+    served = Served(models["qwen2"], "--hostfile", str(hostfile), "--prefill-groups", "1",
+                    "--disaggregate-min-tokens", "64", "--heartbeat-timeout", "5")  # fmt: skip
+    try:
+        wait_for(lambda: get(served, "/health")[1]["groups_ready"] == 2)
+        yield served
+    finally:
+        if served.proc.poll() is None:
+            assert served.stop() == 0, "".join(served.log)
+
+
+def chat(served, messages: list[dict]) -> dict:
+    """The raw answer (its timings say whether a prefill group prefilled it)."""
+    body = {"model": "qwen2", "messages": messages, "max_tokens": TOKENS, "temperature": 0}
+    req = urllib.request.Request(f"http://127.0.0.1:{served.port}/v1/chat/completions",
+                                 json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    return json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+
+def text(answer: dict) -> str:
+    return answer["choices"][0]["message"]["content"]
+
+
+def test_a_long_prompt_is_prefilled_by_the_prefill_group_and_answers_as_one_process(split, models):
+    health = get(split, "/health")[1]
+    assert [(g["mode"], g["ranks"]) for g in health["groups"]] == [("pipeline", 1), ("tensor", 2)]
+    first = chat(split, [{"role": "user", "content": LONG}])
+    assert text(first) == reference(models["qwen2"], LONG, TOKENS)
+    t = first["timings"]
+    prompt = first["usage"]["prompt_tokens"]
+    assert t["handoff_n"] == prompt - 1 and t["handoff_bytes"] > 0 and t["handoff_group"] == 0, t
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1  # the KV came
+    metrics = get(split, "/metrics")[1]
+    assert re.search(r'mlx_cluster_handoffs_total\{group="0"\} 1.0', metrics), metrics
+    # the next turn: the decode group's prompt cache holds the first turn, nothing handed off
+    turn = [{"role": "user", "content": LONG}, {"role": "assistant", "content": text(first)},
+            {"role": "user", "content": SHORT}]  # fmt: skip
+    second = chat(split, turn)
+    assert "handoff_n" not in second["timings"], second["timings"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt - 1, second
+    # a short prompt prefills where it decodes
+    short = chat(split, [{"role": "user", "content": SHORT}])
+    assert text(short) == reference(models["qwen2"], SHORT, TOKENS)
+    assert "handoff_n" not in short["timings"], short["timings"]
+
+
+def test_a_killed_prefill_rank_costs_no_answer(split, models):
+    """The prefill group's rank killed: the long prompt is prefilled by the decode group (at
+    once, not after the handoff's wait); the group restarts and hands off again."""
+    want = reference(models["qwen2"], LONG + " Again.", TOKENS)
+    (prefill,) = next(pids for pids in group_ranks(split).values() if len(pids) == 1)
+    os.kill(prefill, signal.SIGKILL)
+    answer = chat(split, [{"role": "user", "content": LONG + " Again."}])
+    assert text(answer) == want
+    assert "handoff_n" not in answer["timings"], answer["timings"]
+    wait_for(lambda: get(split, "/health")[1]["groups"][0]["restarts"] == 1)
+    wait_for(lambda: get(split, "/health")[1]["groups_ready"] == 2)
+    again = chat(split, [{"role": "user", "content": "Once more. " + LONG}])
+    assert text(again) == reference(models["qwen2"], "Once more. " + LONG, TOKENS)
+    assert again["timings"]["handoff_n"] > 0, again["timings"]
+    assert split.stop() == 0, "".join(split.log)
+
+
+def group_ranks(served) -> dict[str, list[int]]:
+    """The job folder of each group's current ranks -> their pids (the prefill group's job
+    has one rank, the decode group's two)."""
+    found: dict[str, list[int]] = {}
+    for pid in descendant_ranks(served.proc.pid, _children(), _cmdline):
+        m = re.search(r"(\S+)/rank\d+/", _cmdline(pid))
+        if m:
+            found.setdefault(m[1], []).append(pid)
+    return found
