@@ -144,3 +144,89 @@ def test_a_stranger_without_the_key_is_not_read(full):
     time.sleep(0.2)
     assert door.tickets == {}
     door.close()
+
+
+class Inbox:
+    """Rank 0's inbox as the scheduler reads it, without the channel behind it."""
+
+    def __init__(self):
+        import queue
+        import threading
+
+        self.flights = queue.Queue()
+        self.prepared_all, self.draining = threading.Event(), threading.Event()
+        self.handoffs_failed: set[str] = set()
+        self.gone: list[str] = []
+
+    def ended(self, flight):
+        self.gone.append(flight.request.id)
+
+
+def scheduler(role: str, emit=lambda e: None):
+    import node.jobs.serve as ns
+
+    s = ns.Scheduler(None, emit, True, 30.0, ns.Admission(100, None, None), role=role)
+    s.inbox = Inbox()
+    return s
+
+
+def flight(rid: str, ticket: str | None, prompt: int = 8):
+    import node.jobs.serve as ns
+    from cluster.core.spec import HandoffTicket, Sampling, ServeRequest, SharedRequest
+
+    handoff = HandoffTicket(ticket, doors=[["127.0.0.1", 1]]) if ticket else None
+    f = ns.Flight(ServeRequest(id=rid, kind="completion", sampling=Sampling(), handoff=handoff))
+    f.shared = SharedRequest(Sampling(max_tokens=4), list(range(1, prompt + 1)))
+    return f
+
+
+def test_a_decode_group_holds_a_request_until_every_rank_has_its_kv():
+    """Expected on every rank first; once every rank holds it whole, adopted in the same
+    order that inserts the request; a handoff that failed, a cancel or a wait past
+    HANDOFF_WAIT_S: forgotten, and the request prefills here (or ends)."""
+    from cluster.core.spec import Adopt
+
+    s = scheduler("decode")
+    held = flight("a", "t1")
+    s.take(held)
+    order = s.order(live=0)
+    assert order.expect == ["t1"] and not order.insert and not order.adopt
+    assert s.order(live=0) is None  # waiting: nothing to order
+    s.handed_now = ["t1"]
+    order = s.order(live=0)
+    assert order.adopt == [Adopt("t1", None)] and order.insert == [held.shared]
+    s.inserting = []
+    failed, cancelled = flight("b", "t2"), flight("c", "t3")
+    s.take(failed)
+    s.take(cancelled)
+    assert s.order(live=1).expect == ["t2", "t3"]
+    s.inbox.handoffs_failed.add("t2")
+    cancelled.cancel.set()
+    order = s.order(live=1)
+    assert order.forget == ["t2", "t3"] and order.insert == [failed.shared]
+    assert s.inbox.gone == ["c"] and not s.awaiting and not s.inbox.handoffs_failed
+
+
+def test_a_handoff_not_made_in_time_is_prefilled_here(monkeypatch):
+    import node.jobs.serve as ns
+
+    monkeypatch.setattr(ns, "HANDOFF_WAIT_S", 0.0)
+    s = scheduler("decode")
+    late = flight("a", "t1")
+    s.take(late)
+    order = s.order(live=0)
+    assert order.expect == ["t1"] and order.forget == ["t1"] and order.insert == [late.shared]
+
+
+def test_a_prefill_group_prefills_all_but_the_last_token_and_says_so():
+    from cluster.core.protocol import Handed
+
+    events = []
+    s = scheduler("prefill", events.append)
+    f = flight("a", "t1", prompt=8)
+    s.take(f)
+    order = s.order(live=0)
+    assert order.prefill is not None and order.prefill.tokens == list(range(1, 8))
+    assert order.prefill.handoff.ticket == "t1" and order.prefill.request == "a"
+    s.handed(order.prefill, 1234, 0.5, None)
+    assert events == [Handed("a", "t1", 7, 1234, 0.5, None)] and s.inbox.gone == ["a"]
