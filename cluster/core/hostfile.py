@@ -19,7 +19,8 @@ from cluster.core.backends import BACKENDS
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 TOP_KEYS = ("backend", "python", "model_dir", "env", "ssh", "hosts", "groups")
-GROUP_KEYS = ("hosts", "mode")
+GROUP_KEYS = ("hosts", "mode", "role")
+ROLES = ("prefill", "decode")
 MODES = ("pipeline", "tensor")
 HOST_KEYS = ("ssh", "ips", "rdma", "slots", "gpus", "memory_gb", "python", "cwd", "model_dir")
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts")
@@ -70,6 +71,7 @@ class HostGroup:
 
     hosts: list[int]  # host indices, in rank order
     mode: str | None = None
+    role: str | None = None  # "prefill": it only prefills, for the decode groups (issue 53)
 
 
 @dataclass
@@ -232,7 +234,12 @@ def _groups(raw: Any, hosts: list[Host], fail) -> list[HostGroup]:
         mode = entry.get("mode")
         if mode is not None and mode not in MODES:
             raise fail(f"group {g}: field 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
-        groups.append(HostGroup(members, mode))
+        role = entry.get("role")
+        if role is not None and role not in ROLES:
+            raise fail(f"group {g}: field 'role' must be one of {', '.join(ROLES)}, got {role!r}")
+        groups.append(HostGroup(members, mode, role))
+    if groups and all(g.role == "prefill" for g in groups):
+        raise fail("field 'groups': every group has role prefill; at least one must decode")
     left = [h.label for h in hosts if h.index not in owner]
     if left:
         raise fail(f"field 'groups': {', '.join(left)} in no group (every host serves in one)")
@@ -418,7 +425,11 @@ def hostfile_data(hostfile: Hostfile) -> dict[str, Any]:
     if hostfile.groups:
         by_index = {h.index: h for h in hostfile.hosts}
         data["groups"] = [
-            {"hosts": [by_index[i].target for i in g.hosts], **({"mode": g.mode} if g.mode else {})}
+            {
+                "hosts": [by_index[i].target for i in g.hosts],
+                **({"mode": g.mode} if g.mode else {}),
+                **({"role": g.role} if g.role else {}),
+            }
             for g in hostfile.groups
         ]
     return data

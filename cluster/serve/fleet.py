@@ -75,17 +75,24 @@ def plan_groups(
             )
         by_index = {h.index: h for h in hostfile.hosts}
         members = [([by_index[i] for i in g.hosts], g.mode) for g in hostfile.groups]
+        roles = [g.role == "prefill" for g in hostfile.groups]
     elif replicas == 1:
+        roles = []
         if spec.serve.prefill_groups:
             raise HostfileError("--prefill-groups needs several groups (--replicas, or the "
                                 "hostfile's 'groups:'): one to prefill, one to decode")  # fmt: skip
         return [GroupPlan(hostfile, spec, launch)]
     else:
         members = [(hosts, None) for hosts in split_hosts(hostfile, replicas)]
+        roles = []
     prefill = spec.serve.prefill_groups
     if prefill and prefill >= len(members):
         raise HostfileError(f"--prefill-groups {prefill}: of {len(members)} group(s) at least one "
                             "must decode (--replicas)")  # fmt: skip
+    roles = [r or i < prefill for i, r in enumerate(roles or [False] * len(members))]
+    if all(roles):
+        raise HostfileError("every group would only prefill (--prefill-groups, the hostfile's "
+                            "'role: prefill'); at least one must decode")  # fmt: skip
     key = secrets.token_hex(32)  # the fleet's: each decode rank's door takes KV from its holders
     plans: list[GroupPlan] = []
     ports = 0
@@ -96,8 +103,9 @@ def plan_groups(
         if launch.starting_port is not None:  # groups on one machine must not share ports
             own = dataclasses.replace(launch, starting_port=launch.starting_port + ports)
             ports += sum(h.slots * max(1, len(h.ips)) for h in hosts) * launch.connections_per_ip
-        role = "both" if not prefill else "prefill" if len(plans) < prefill else "decode"
-        handoff = dataclasses.replace(spec.handoff, role=role, key=key if prefill else "")
+        split = any(roles)
+        role = "both" if not split else "prefill" if roles[len(plans)] else "decode"
+        handoff = dataclasses.replace(spec.handoff, role=role, key=key if split else "")
         plans.append(GroupPlan(part, dataclasses.replace(spec, mode=mode or spec.mode,
                                                          handoff=handoff), own))  # fmt: skip
     return plans

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from cluster.core.hostfile import HostfileError, local_hostfile, parse_hostfile
+from cluster.core.hostfile import HostfileError, hostfile_data, local_hostfile, parse_hostfile
 from cluster.core.prefix import longest_held, prefix_chain
 from cluster.core.protocol import Admitted, Cached, Serving
 from cluster.core.spec import JobSpec, LaunchSettings, ServeSettings
@@ -54,6 +54,14 @@ def test_a_hostfile_names_its_groups_and_their_modes():
         ([{"hosts": ["x.local"]}], "'x.local' is not in 'hosts'"),
         ([{"hosts": ["a.local", "b.local"], "mode": "ring"}], "field 'mode' must be one of"),
         ([{"hosts": ["a.local", "b.local"], "size": 2}], "unknown field(s) size"),
+        (
+            [{"hosts": ["a.local"], "role": "prefill"}, {"hosts": ["b.local"], "role": "ask"}],
+            "field 'role' must be one of prefill, decode",
+        ),
+        (
+            [{"hosts": ["a.local"], "role": "prefill"}, {"hosts": ["b.local"], "role": "prefill"}],
+            "every group has role prefill",
+        ),
         ([], "non-empty list"),
     ],
 )
@@ -61,6 +69,29 @@ def test_a_bad_group_is_named(groups, says):
     with pytest.raises(HostfileError, match=None) as e:
         parse_hostfile({"hosts": ["a.local", "b.local"], "groups": groups}, "rig.yaml")
     assert says in str(e.value) and "rig.yaml" in str(e.value)
+
+
+def test_prefill_groups_get_their_role_and_the_fleets_key():
+    """--prefill-groups K: the first K groups prefill, the rest decode, all with one secret
+    for the decode ranks' doors; a hostfile's 'role: prefill' says the same; no prefill
+    group: no role, no key; every group prefilling, or one group: refused."""
+    four = parse_hostfile({"hosts": ["a", "b", "c", "d"]})
+    plans = plan_groups(four, spec(prefill_groups=1), LaunchSettings(), 2)
+    assert [p.spec.handoff.role for p in plans] == ["prefill", "decode"]
+    assert len({p.spec.handoff.key for p in plans}) == 1 and len(plans[0].spec.handoff.key) == 64
+    assert [p.spec.handoff.role for p in plan_groups(four, spec(), LaunchSettings(), 2)] == [
+        "both", "both"]  # fmt: skip
+    named = parse_hostfile({"hosts": ["a", "b"], "groups": [
+        {"hosts": ["a"]}, {"hosts": ["b"], "role": "prefill"}]})  # fmt: skip
+    assert [p.spec.handoff.role for p in plan_groups(named, spec(), LaunchSettings(), 1)] == [
+        "decode", "prefill"]  # fmt: skip
+    assert hostfile_data(named)["groups"][1] == {"hosts": ["b"], "role": "prefill"}
+    with pytest.raises(HostfileError, match="at least one must decode"):
+        plan_groups(four, spec(prefill_groups=2), LaunchSettings(), 2)
+    with pytest.raises(HostfileError, match="at least one must decode"):
+        plan_groups(named, spec(prefill_groups=1), LaunchSettings(), 1)
+    with pytest.raises(HostfileError, match="needs several groups"):
+        plan_groups(four, spec(prefill_groups=1), LaunchSettings(), 1)
 
 
 def test_replicas_split_the_ranks_in_order():
