@@ -56,10 +56,14 @@ def to_bytes(a: mx.array) -> tuple[str, bytes]:
     return name, np.ascontiguousarray(host).tobytes()
 
 
-def from_bytes(data: bytes, name: str, shape: list[int]) -> mx.array:
-    dtype, host = DTYPES[name]
-    a = mx.array(np.frombuffer(data, dtype=host).reshape(shape))
-    return a.view(dtype) if name == "bfloat16" else a
+def from_bytes(data: bytes | memoryview, name: str, shape: list[int]) -> np.ndarray:
+    """The frame's array on the host (bfloat16 as its 16-bit words: ``to_mlx`` reads it)."""
+    return np.frombuffer(data, dtype=DTYPES[name][1]).reshape(shape)
+
+
+def to_mlx(a: np.ndarray, name: str) -> mx.array:
+    out = mx.array(a)
+    return out.view(DTYPES[name][0]) if name == "bfloat16" else out
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -107,8 +111,9 @@ class Received:
     expected: set[int] = field(default_factory=set)  # senders that have pieces for this rank
     ended: dict[int, int] = field(default_factory=dict)  # sender -> frames it counted
     frames: dict[int, int] = field(default_factory=dict)  # sender -> frames that came
-    chunks: list[tuple[int, tuple[int, ...], int, int, mx.array, mx.array]] = field(
+    chunks: list[tuple[int, tuple[int, ...], int, int, np.ndarray, np.ndarray]] = field(
         default_factory=list)  # (layer, places, start, end, keys, values)  # fmt: skip
+    dtype: str = "float32"  # the arrays' (``DTYPES``)
     nbytes: int = 0
     began: float = field(default_factory=time.monotonic)
     failed: str | None = None
@@ -176,10 +181,11 @@ class Door:
                 return
             got.frames[sender] = got.frames.get(sender, 0) + 1
         name, shape = header["dtype"], list(header["shape"])
-        half = len(payload) // 2
-        keys = from_bytes(payload[:half], name, shape)
-        values = from_bytes(payload[half:], name, shape)
+        half, view = len(payload) // 2, memoryview(payload)
+        keys = from_bytes(view[:half], name, shape)
+        values = from_bytes(view[half:], name, shape)
         with self.lock:
+            got.dtype = name
             span = int(header["start"]), int(header["stop"])
             got.chunks.append((int(header["layer"]), tuple(header["place"]), *span, keys, values))
             got.nbytes += len(payload)
@@ -236,21 +242,19 @@ def covered(got: Received, layout: Layout) -> bool:
 
 def layer_arrays(got: Received, layout: Layout) -> dict[int, tuple[mx.array, mx.array]]:
     """Each layer's keys and values (1, heads, tokens, head dim) in the receiver's head
-    order, from a complete ticket's chunks."""
+    order, from a complete ticket's chunks: put in place on the host (one copy per chunk),
+    then one array each for MLX, so the decode loop that adopts it waits little."""
     out = {}
     for layer in layout.layers:
-        mine = sorted((c for c in got.chunks if c[0] == layer), key=lambda c: (c[2], c[1]))
-        spans = sorted({(c[2], c[3]) for c in mine})
-        keys, values = [], []
-        for start, end in spans:
-            parts = [c for c in mine if (c[2], c[3]) == (start, end)]
-            order = [p for c in parts for p in c[1]]
-            k = mx.concatenate([c[4] for c in parts], axis=1)
-            v = mx.concatenate([c[5] for c in parts], axis=1)
-            back = mx.array(np.argsort(order))
-            keys.append(k[:, back])
-            values.append(v[:, back])
-        out[layer] = (mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2))
+        mine = [c for c in got.chunks if c[0] == layer]
+        k0 = mine[0][4]
+        keys = np.empty((k0.shape[0], len(layout.heads), got.total, k0.shape[3]), k0.dtype)
+        values = np.empty((k0.shape[0], len(layout.heads), got.total, mine[0][5].shape[3]),
+                          mine[0][5].dtype)  # fmt: skip
+        for _, places, start, stop, k, v in mine:
+            keys[:, list(places), start:stop] = k
+            values[:, list(places), start:stop] = v
+        out[layer] = (to_mlx(keys, got.dtype), to_mlx(values, got.dtype))
     return out
 
 
