@@ -90,6 +90,9 @@ def plan_groups(
         raise HostfileError(f"--prefill-groups {prefill}: of {len(members)} group(s) at least one "
                             "must decode (--replicas)")  # fmt: skip
     roles = [r or i < prefill for i, r in enumerate(roles or [False] * len(members))]
+    if any(roles) and spec.kv_quant.kv_bits:
+        raise HostfileError("prefill groups cannot hand off a quantized KV cache yet: serve "
+                            "without --kv-bits, or without prefill groups")  # fmt: skip
     if all(roles):
         raise HostfileError("every group would only prefill (--prefill-groups, the hostfile's "
                             "'role: prefill'); at least one must decode")  # fmt: skip
@@ -237,6 +240,7 @@ class Fleet:
         prefiller = min(ready, key=lambda g: (g.load.prompt_tokens + g.load.requests, g.group))
         ticket = HandoffTicket(secrets.token_hex(8))
         req.request = dataclasses.replace(req.request, handoff=ticket)
+        req.handed = {"handoff_group": prefiller.group}
         plan = dataclasses.replace(ticket, doors=doors, mode=decoder.spec.mode,
                                    world=len(doors), split=decoder.spec.split,
                                    weights=split_weights(decoder.hostfile))  # fmt: skip
@@ -250,9 +254,6 @@ class Fleet:
                                       f"{decoder.group} prefills the prompt itself")  # fmt: skip
                 decoder.post(decoder.write, {"op": "handoff_failed", "ticket": ticket.ticket})
                 return
-            req.handed = {"handoff_n": event.tokens, "handoff_bytes": event.nbytes,
-                          "handoff_ms": round(event.seconds * 1000, 1),
-                          "handoff_group": prefiller.group}  # fmt: skip
             self.metrics.handoffs.labels(group=str(prefiller.group)).inc()
             self.metrics.handoff_bytes.inc(event.nbytes)
 

@@ -443,8 +443,8 @@ class Service:
         elif isinstance(event, Stats):
             del self.inflight[req.id]
             req.result = to_dict(event)
-            if req.handed:
-                req.result.setdefault("timings", {}).update(req.handed)
+            if req.handed and "handoff_n" in req.result.get("timings", {}):
+                req.result["timings"].update(req.handed)  # which group prefilled it
             req.chunks.put(END)
             self.answered += 1
             if not flight.gone:
@@ -522,6 +522,9 @@ class Service:
             else:
                 if flight.shown:
                     req.chunks.put(RESTART)
+                if req.request.handoff is not None:  # the KV went to ranks that are gone
+                    req.request = dataclasses.replace(req.request, handoff=None)
+                    req.handed = None
                 again.append(req)
         self.inflight.clear()
         now = time.monotonic()

@@ -291,14 +291,16 @@ class Lockstep:
         for generator in self.generators:
             generator.prefill_step_size = step
 
-    def adopt(self, ticket: str, cache_key: str | None) -> None:
+    def adopt(self, ticket: str, cache_key: str | None) -> dict:
         """A handoff every rank holds whole, planted in the prompt cache (every rank alike),
-        where the request that waits for it finds it as any cached prefix."""
-        from node.rank.handoff import adopted_cache
+        where the request that waits for it finds it as any cached prefix; its figures
+        (node.rank.handoff.handoff_figures: one all_sum)."""
+        from node.rank.handoff import adopted_cache, handoff_figures
 
-        tokens, cache = adopted_cache(ticket, self.model)
-        if self.prompt_cache is not None and tokens:
-            self.prompt_cache.insert_cache(cache_scope(cache_key), tokens, cache)
+        got, cache = adopted_cache(ticket, self.model)
+        if self.prompt_cache is not None and got.tokens:
+            self.prompt_cache.insert_cache(cache_scope(cache_key), got.tokens, cache)
+        return handoff_figures(got, self.group)
 
     def nearest(self, tokens: list[int], scope: str = MODEL_KEY) -> tuple:
         """The cache of the longest cached prefix of ``tokens`` (in memory, else on disk),

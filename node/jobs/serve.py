@@ -324,6 +324,7 @@ class Scheduler:
         self.awaiting: dict[str, tuple[Flight, SharedRequest, float]] = {}
         self.expecting: list[str] = []
         self.handed_now: list[str] = []
+        self.adopted: dict[str, dict] = {}  # ticket -> its figures, until its answer ends
         self.rests = rests  # idle: every rank rests (Order.rest) instead of pinging
         self.tokenizer = tokenizer
         self.admission = admission
@@ -693,6 +694,9 @@ class Scheduler:
             one.text.stop.hit,
             one.from_disk,
         )
+        handoff = one.flight.request.handoff
+        if handoff is not None and handoff.ticket in self.adopted:
+            stats["timings"].update(self.adopted.pop(handoff.ticket))
         self.answered(one.flight, stats)
 
     def answered(self, flight: Flight, stats: dict) -> None:
@@ -910,7 +914,9 @@ def run_serve(job: Job) -> None:
                 continue
             if batch is not None:
                 for adopt in order.adopt:
-                    batch.adopt(adopt.ticket, adopt.cache_key)
+                    figures = batch.adopt(adopt.ticket, adopt.cache_key)
+                    if scheduler is not None:
+                        scheduler.adopted[adopt.ticket] = figures
             if order.single is not None:
                 decode_alone(order.single, scheduler, loaded, group, vocab, emit)
                 continue

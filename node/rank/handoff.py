@@ -433,8 +433,8 @@ def agree_handed(group, wait: float) -> list[str]:
     return [t for t, n in zip(PENDING, host_ints(counts), strict=True) if n == group.size()]
 
 
-def adopted_cache(ticket: str, model) -> tuple[list[int], list]:
-    """A ticket every rank holds whole, as (its tokens, a cache holding their KV)."""
+def adopted_cache(ticket: str, model) -> tuple[Received, list]:
+    """A ticket every rank holds whole, as (what came, a cache holding its KV)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     if DOOR is None:
@@ -443,7 +443,21 @@ def adopted_cache(ticket: str, model) -> tuple[list[int], list]:
     PENDING.remove(ticket)
     cache = make_prompt_cache(model)
     fill_cache(cache, cache_slots(cache, DOOR.layout), layer_arrays(got, DOOR.layout))
-    return got.tokens or [], cache
+    return got, cache
+
+
+def handoff_figures(got: Received, group) -> dict:
+    """The answer's timings of its handoff, the same on every rank: tokens, the bytes every
+    rank of the group took in, and the time from rank 0's first frame to its adoption."""
+    from node.rank.dist import control_stream
+    from node.rank.numbers import host_float
+
+    nbytes = float(got.nbytes)
+    if group is not None and group.size() > 1:
+        total = mx.distributed.all_sum(mx.array([nbytes]), group=group, stream=control_stream())
+        nbytes = host_float(total[0])
+    return {"handoff_n": got.total, "handoff_bytes": int(nbytes),
+            "handoff_ms": round((time.monotonic() - got.began) * 1000, 1)}  # fmt: skip
 
 
 def prefill_and_send(order, loaded, spec, group, step: int, tick) -> tuple[int, float, str | None]:

@@ -12,7 +12,7 @@ import pytest
 from cluster.core.hostfile import HostfileError, hostfile_data, local_hostfile, parse_hostfile
 from cluster.core.prefix import longest_held, prefix_chain
 from cluster.core.protocol import Admitted, Cached, Serving
-from cluster.core.spec import JobSpec, LaunchSettings, ServeSettings
+from cluster.core.spec import JobSpec, KVQuant, LaunchSettings, ServeSettings
 from cluster.job.launcher import LaunchError
 from cluster.job.state import JobState, RankState
 from cluster.serve.api.shared import session_of
@@ -92,6 +92,10 @@ def test_prefill_groups_get_their_role_and_the_fleets_key():
         plan_groups(named, spec(prefill_groups=1), LaunchSettings(), 1)
     with pytest.raises(HostfileError, match="needs several groups"):
         plan_groups(four, spec(prefill_groups=1), LaunchSettings(), 1)
+    quantized = JobSpec(model="m", command="serve", serve=ServeSettings(prefill_groups=1),
+                        kv_quant=KVQuant(kv_bits=4))  # fmt: skip
+    with pytest.raises(HostfileError, match="cannot hand off a quantized KV cache"):
+        plan_groups(four, quantized, LaunchSettings(), 2)
 
 
 def test_replicas_split_the_ranks_in_order():
