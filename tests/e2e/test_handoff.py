@@ -1,5 +1,6 @@
-"""`serve --prefill-groups 1` (issue 53): a hostfile's one-rank group prefills long prompts and
-hands their KV to a tensor-2 group, which decodes them. Greedy answers equal the
+"""`serve --prefill-groups 1` (issue 53): a hostfile's pipeline-2 group prefills long prompts
+and hands their KV to a tensor-2 group, which decodes them (each prefill rank sends its layers,
+re-cut to each decode rank's heads). Greedy answers equal the
 single-process ones; the decode group's prompt cache holds the handed-off prefix for the next
 turn; short prompts prefill where they decode; a killed prefill rank costs no answer (the
 decode group prefills the prompt itself)."""
@@ -28,7 +29,7 @@ TOKENS = 12
 def split(models, tmp_path_factory):
     hostfile = tmp_path_factory.mktemp("handoff") / "hosts.yaml"
     hostfile.write_text(yaml.safe_dump({
-        "hosts": [{"ssh": "127.0.0.1"}, {"ssh": "localhost", "slots": 2}],
+        "hosts": [{"ssh": "127.0.0.1", "slots": 2}, {"ssh": "localhost", "slots": 2}],
         "groups": [{"hosts": ["127.0.0.1"]}, {"hosts": ["localhost"], "mode": "tensor"}],
     }))  # fmt: skip
     served = Served(models["qwen2"], "--hostfile", str(hostfile), "--prefill-groups", "1",
@@ -56,7 +57,7 @@ def text(answer: dict) -> str:
 
 def test_a_long_prompt_is_prefilled_by_the_prefill_group_and_answers_as_one_process(split, models):
     health = get(split, "/health")[1]
-    assert [(g["mode"], g["ranks"]) for g in health["groups"]] == [("pipeline", 1), ("tensor", 2)]
+    assert [(g["mode"], g["ranks"]) for g in health["groups"]] == [("pipeline", 2), ("tensor", 2)]
     first = chat(split, [{"role": "user", "content": LONG}])
     assert text(first) == reference(models["qwen2"], LONG, TOKENS)
     t = first["timings"]
@@ -81,7 +82,8 @@ def test_a_killed_prefill_rank_costs_no_answer(split, models):
     """The prefill group's rank killed: the long prompt is prefilled by the decode group (at
     once, not after the handoff's wait); the group restarts and hands off again."""
     want = reference(models["qwen2"], LONG + " Again.", TOKENS)
-    (prefill,) = next(pids for pids in group_ranks(split).values() if len(pids) == 1)
+    (prefill,) = [p for p in descendant_ranks(split.proc.pid, _children(), _cmdline)
+                  if role_of(p) == "prefill" and "/rank1/" in _cmdline(p)]  # fmt: skip
     os.kill(prefill, signal.SIGKILL)
     answer = chat(split, [{"role": "user", "content": LONG + " Again."}])
     assert text(answer) == want
@@ -94,12 +96,8 @@ def test_a_killed_prefill_rank_costs_no_answer(split, models):
     assert split.stop() == 0, "".join(split.log)
 
 
-def group_ranks(served) -> dict[str, list[int]]:
-    """The job folder of each group's current ranks -> their pids (the prefill group's job
-    has one rank, the decode group's two)."""
-    found: dict[str, list[int]] = {}
-    for pid in descendant_ranks(served.proc.pid, _children(), _cmdline):
-        m = re.search(r"(\S+)/rank\d+/", _cmdline(pid))
-        if m:
-            found.setdefault(m[1], []).append(pid)
-    return found
+def role_of(pid: int) -> str:
+    """A rank's group role, from the job file its command line names."""
+    path = re.search(r"(\S+/rank\d+/job\.json)", _cmdline(pid))
+    assert path, _cmdline(pid)
+    return json.loads(open(path[1]).read())["handoff"]["role"]
