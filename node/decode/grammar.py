@@ -255,7 +255,14 @@ class Constrained:
         if unseen is not None:
             mx.async_eval(unseen)
         mx.async_eval(logits)
-        new = host_ints(unseen) if unseen is not None else []
+        if not self.advance(host_ints(unseen) if unseen is not None else []):
+            return logits
+        return self.masked(logits)
+
+    def advance(self, new: list[int]) -> bool:
+        """The answer's ``new`` tokens to the matcher (or to the wait for ``after``), then the
+        next token's mask into ``words``; False while the mask does not apply yet (a think
+        block still open)."""
         self.fed += len(new)
         if self.waiting:
             seen = len(self.tail)
@@ -263,7 +270,7 @@ class Constrained:
             # only where the marker could newly end: the scan is linear in the reasoning
             at = find(self.tail, self.after, max(0, seen - len(self.after) + 1))
             if at < 0:
-                return logits
+                return False
             self.waiting = False
             new = self.tail[at + len(self.after) :]
             self.tail = []
@@ -281,7 +288,12 @@ class Constrained:
         self.fill()
         self.spent += time.thread_time() - began
         self.steps += 1
-        return self.masked(logits)
+        return True
+
+    @property
+    def ends(self) -> bool:
+        """Only end-of-sequence may follow (the grammar failed, or the answer is complete)."""
+        return self.failure is not None or self.complete
 
     def fill(self) -> None:
         """The matcher's mask of the next token into ``words`` (or its failure)."""
@@ -311,6 +323,42 @@ class Constrained:
             allowed[: min(len(bits), width)] = bits[:width].astype(bool)
             mask = mx.array(allowed)
         return mx.where(mask, logits, mx.array(-float("inf"), logits.dtype))
+
+
+def mask_batch(logits: mx.array, inputs: mx.array, grammars: list[tuple[int, Constrained]]
+               ) -> mx.array:  # fmt: skip
+    """A batch's logits (one row per stream) with every grammar's mask applied at once:
+    ``inputs`` holds each stream's token of the step before (what its matcher has not seen),
+    read once for the whole batch while this step's forward runs; ``grammars`` are (row,
+    processor). The masks go to the device as one array of bitmask words (a row of all-ones
+    words for a stream without a grammar, or whose grammar waits), expanded there, and one
+    ``where`` covers the batch: the per-stream reads, copies and row slices this replaces
+    cost 28% of 8 streams' decoding on an H100 (docs/benchmarks.md)."""
+    mx.async_eval(logits)
+    last = host_ints(inputs)
+    width = logits.shape[-1]
+    words = np.full((logits.shape[0], (width + 31) // 32), -1, dtype=np.int32)
+    for row, grammar in grammars:
+        first = grammar.start is None  # its first step: the token is the prompt's last
+        if first:
+            grammar.start = 0
+        if not grammar.advance([] if first else [last[row]]):
+            continue
+        if grammar.ends:
+            words[row] = 0
+            bits = words[row].view(np.uint32)
+            for eos in tokens().tokenizer.eos_tokens:
+                if 0 <= eos < width:
+                    bits[eos // 32] |= np.uint32(1 << (eos % 32))
+        else:
+            words[row] = grammar.words[0]
+    if on_gpu():
+        bits = (mx.array(words.view(np.uint32))[:, :, None] >> SHIFTS) & 1
+        mask = bits.reshape(words.shape[0], -1)[:, :width].astype(mx.bool_)
+    else:
+        unpacked = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+        mask = mx.array(unpacked[:, :width].astype(bool))
+    return mx.where(mask, logits, mx.array(-float("inf"), logits.dtype))
 
 
 class GrammarFailed(RuntimeError):

@@ -54,7 +54,7 @@ from mlx_lm.models.cache import (
 )
 
 from cluster.core.spec import Order
-from node.decode.grammar import Constrained, compiling
+from node.decode.grammar import Constrained, compiling, mask_batch
 from node.decode.loop import STOP_CHECK_EVERY, Ticking
 from node.decode.prefill import PREFILL_STEP, prefill_step
 from node.decode.sampling import RequestFailed, tried
@@ -135,6 +135,73 @@ def batchable(model) -> bool:
     return all(hasattr(c, "merge") for c in make_prompt_cache(model))
 
 
+def grouped_step(self) -> tuple[list[int], list[mx.array]]:
+    """mlx-lm's ``GenerationBatch._step`` (0.30-0.32), with the streams' grammars masked
+    together (node.decode.grammar.mask_batch): one read of the tokens the step before
+    sampled, one array of masks and one ``where`` for the batch, instead of mlx-lm's call of
+    each stream's processors on its own row. Other processors (penalties, logit biases) run
+    per stream first, as mlx-lm runs them, with their token context; a stream whose only
+    processor is its grammar needs none. The tokens sampled are those of mlx-lm's step."""
+    self._current_tokens = self._next_tokens
+    self._current_logprobs = self._next_logprobs
+    inputs = self._current_tokens
+    logits = self.model(inputs[:, None], cache=self.prompt_cache)
+    logits = logits[:, -1, :]
+    token_context = []
+    if any(self.logits_processors):
+        rows, grammars, changed = [], [], False
+        for e in range(len(self.uids)):
+            row = logits[e : e + 1]
+            processors = self.logits_processors[e] or ()
+            own = [p for p in processors if not isinstance(p, Constrained)]
+            if own:
+                context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
+                token_context.append(context)
+                for processor in own:
+                    row = processor(context, row)
+                changed = True
+            rows.append(row)
+            grammars += [(e, p) for p in processors if isinstance(p, Constrained)]
+        if changed:
+            logits = mx.concatenate(rows, axis=0)
+        if grammars:
+            logits = mask_batch(logits, inputs, grammars)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    samplers = [self.fallback_sampler if s is None else s
+                for s in (self.samplers or [None] * len(self.uids))]  # fmt: skip
+    if not samplers or all(s is samplers[0] for s in samplers):
+        sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
+    else:
+        sampled = mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(samplers)],
+                                 axis=0)  # fmt: skip
+    self._next_tokens = sampled
+    self._next_logprobs = list(logprobs)
+    mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
+    mx.eval(inputs, self._current_logprobs)
+    tokens = inputs.tolist()
+    for sti, ti in zip(self.tokens, tokens, strict=True):
+        sti.append(ti)
+    return tokens, self._current_logprobs
+
+
+def use_grouped_step() -> bool:
+    """Put ``grouped_step`` in mlx-lm's GenerationBatch when it is the class it was written
+    for (its fields by name); otherwise keep mlx-lm's own (each stream's grammar alone)."""
+    import importlib
+    import inspect
+
+    batch = getattr(importlib.import_module("mlx_lm.generate"), "GenerationBatch", None)
+    if batch is None:
+        return False
+    names = set(inspect.signature(batch.__init__).parameters)
+    wanted = {"uids", "inputs", "prompt_cache", "tokens", "samplers", "fallback_sampler",
+              "logits_processors"}  # fmt: skip
+    if not wanted <= names or "_token_context" not in inspect.getsource(batch.__init__):
+        return False
+    batch._step = grouped_step
+    return True
+
+
 class Lockstep:
     """One rank's batch. Every rank holds the same uids: they come from the same orders."""
 
@@ -165,6 +232,7 @@ class Lockstep:
         micro = micro_batches_for(model, stages, micro_batches)
         streams = micro_streams(micro)
         self.comm = streams[-1] if micro > 1 else None
+        use_grouped_step()
         self.generators = [
             BatchGenerator(
                 Ticking(model),  # a tick per forward pass: a long batched prefill is progress

@@ -45,7 +45,7 @@ run)
   export PATH=/tmp/bin:$PATH
   python3 -c "from pathlib import Path; from tests.bench.gpu import make_8b
 make_8b(Path('/tmp/m8b'), Path('/tmp/tok'))"
-  timeout 170 python3 -m tests.bench.token_read --model /tmp/m8b --streams 1,8 --tokens 128 \
+  timeout 170 python3 -m tests.bench.token_read --model /tmp/m8b --streams 8 --tokens 128 --variants free,grammar,grammar-grouped \
     --repeat 3 2>&1 | tee "$OUT/token_read.txt" || true
   for streams in 1 8; do
     timeout 160 python3 -m tests.bench.constrained_bench --model /tmp/m8b --ranks 1 \

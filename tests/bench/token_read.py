@@ -9,7 +9,9 @@ processor that does one part of a grammar's work, in alternated rounds (median [
 - ``mask-fixed``: read-copy, then a fixed bitmask sent and expanded on the device
   (``device_mask``): the mask's transfer without the matcher;
 - ``grammar-view``: the whole ``Constrained`` (llguidance, a JSON schema) reading a slice;
-- ``grammar``: the whole ``Constrained`` as shipped.
+- ``grammar``: the whole ``Constrained`` in mlx-lm's per-stream calls;
+- ``grammar-grouped``: several streams: the batch's grammars masked together, as serve's
+  ranks run them (node.jobs.batch.grouped_step); one stream: as ``grammar``.
 
     python -m tests.bench.token_read --model /tmp/m8b --streams 1,8 --tokens 128 --repeat 3
 
@@ -28,7 +30,15 @@ from pathlib import Path
 
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
           "minItems": 200, "maxItems": 200}  # fmt: skip
-VARIANTS = ("free", "read-view", "read-copy", "mask-fixed", "grammar-view", "grammar")
+VARIANTS = (
+    "free",
+    "read-view",
+    "read-copy",
+    "mask-fixed",
+    "grammar-view",
+    "grammar",
+    "grammar-grouped",
+)
 WAITS: dict[str, list[float]] = {}
 
 
@@ -71,7 +81,7 @@ def processor(name: str, grammar_text: str):
         return None
     if name.startswith("read") or name == "mask-fixed":
         return Read(name, copy=name != "read-view", mask=name == "mask-fixed")
-    return grammar.Constrained(grammar_text)
+    return grammar.Constrained(grammar_text)  # grammar, grammar-view, grammar-grouped
 
 
 def one_stream(model, prompt: list[int], name: str, grammar_text: str, tokens: int) -> float:
@@ -103,15 +113,18 @@ def one_stream(model, prompt: list[int], name: str, grammar_text: str, tokens: i
 def batch(model, prompts: list[list[int]], name: str, grammar_text: str, tokens: int) -> float:
     """Aggregate decode tok/s of len(prompts) streams in one BatchGenerator, from the step
     every stream had its first token."""
-    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.generate import BatchGenerator, GenerationBatch
     from mlx_lm.sample_utils import make_sampler
 
     from node.decode import grammar
+    from node.jobs.batch import use_grouped_step
 
     view = name.endswith("view")
-    real = grammar.own_copy
+    real, step = grammar.own_copy, GenerationBatch._step
     if view:
         grammar.own_copy = lambda part: part
+    if name == "grammar-grouped" and not use_grouped_step():
+        raise RuntimeError("this mlx-lm's GenerationBatch is not the one grouped_step knows")
     try:
         gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=len(prompts),
                              prefill_batch_size=len(prompts),
@@ -132,7 +145,7 @@ def batch(model, prompts: list[list[int]], name: str, grammar_text: str, tokens:
         gen.close()
         return n / (time.perf_counter() - began)
     finally:
-        grammar.own_copy = real
+        grammar.own_copy, GenerationBatch._step = real, step  # type: ignore[method-assign]
 
 
 def main() -> None:

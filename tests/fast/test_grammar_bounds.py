@@ -249,3 +249,42 @@ def test_a_bitmask_expanded_on_the_device_allows_what_numpy_unpacks():
         expected[: min(len(bits), width)] = bits[:width].astype(bool)
         got = np.array(node_grammar.device_mask(words[0], width))
         assert got.shape == (width,) and (got == expected).all(), width
+
+
+def test_the_batchs_grammars_masked_together_pick_the_tokens_each_alone_picks(qwen):
+    """node.jobs.batch.grouped_step (one read, one mask array for the batch) against
+    mlx-lm's own step (each stream's processor on its row): three streams, two under
+    grammars (one also with a logit bias), one free, sampled at temperature 1 with one
+    seed: the same tokens, token for token, and each grammar's matcher in the same state."""
+    from mlx_lm.generate import BatchGenerator, GenerationBatch
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    from node.jobs import batch
+
+    model, tokenizer = qwen
+    text = grammar.json_schema({"type": "array", "items": {"type": "integer"}})
+    prompts = [tokenizer.encode(p) for p in ("A list:", "Numbers, please:", "Say hi.")]
+
+    def run() -> tuple[list[list[int]], list[bool]]:
+        mx.random.seed(5)
+        gen = BatchGenerator(model, stop_tokens=[], sampler=make_sampler(temp=1.0))
+        grammars = [node_grammar.Constrained(text), node_grammar.Constrained(text)]
+        bias = make_logits_processors(logit_bias={tokenizer.encode("1")[0]: 2.0})
+        gen.insert(prompts, max_tokens=[24] * 3,
+                   logits_processors=[[grammars[0]], [*bias, grammars[1]], []])  # fmt: skip
+        out: dict[int, list[int]] = {}
+        while len([u for u in out if len(out[u]) == 24]) < 3:
+            for r in gen.next_generated():
+                out.setdefault(r.uid, []).append(r.token)
+        gen.close()
+        return [out[u] for u in sorted(out)], [g.matcher.is_accepting() for g in grammars]
+
+    own = GenerationBatch._step
+    try:
+        alone = run()
+        assert batch.use_grouped_step() and GenerationBatch._step is batch.grouped_step
+        together = run()
+    finally:
+        GenerationBatch._step = own
+    assert together == alone
+    assert alone[0][0] != alone[0][2]  # the grammars did constrain (the free stream differs)
