@@ -9,6 +9,7 @@
 #   device: call 1, carry .gpuwhl/a:  bash tests/bench/gpu_carry.sh a
 #           call 2, carry .gpuwhl/b:  bash tests/bench/gpu_carry.sh b
 #           call 3, carry .gpuwhl/c:  bash tests/bench/gpu_carry.sh run
+#           (TOKEN_READ=0 skips tests.bench.token_read; STREAMS="8": the serve bench at 8 only)
 #
 # TOKENIZER_DIR: a model folder whose tokenizer.json has the vocabulary to measure (made by
 # `python -m tests.bench.constrained_bench --vocab 151936 ...`, or make_bench_model).
@@ -45,9 +46,9 @@ run)
   export PATH=/tmp/bin:$PATH
   python3 -c "from pathlib import Path; from tests.bench.gpu import make_8b
 make_8b(Path('/tmp/m8b'), Path('/tmp/tok'))"
-  timeout 170 python3 -m tests.bench.token_read --model /tmp/m8b --streams 8 --tokens 128 --variants free,grammar,grammar-grouped \
+  [ "${TOKEN_READ:-1}" = 0 ] || timeout 170 python3 -m tests.bench.token_read --model /tmp/m8b --streams 8 --tokens 128 --variants free,grammar,grammar-grouped \
     --repeat 3 2>&1 | tee "$OUT/token_read.txt" || true
-  for streams in 1 8; do
+  for streams in ${STREAMS:-1 8}; do
     timeout 160 python3 -m tests.bench.constrained_bench --model /tmp/m8b --ranks 1 \
       --modes pipeline --streams $streams --repeat 3 --max-tokens 64 2>&1 \
       | tee "$OUT/gpu$streams.txt" || true
