@@ -1,5 +1,6 @@
 """Ranks reached over SSH (a real sshd on 127.0.0.1), host keys, and teardown on failures."""
 
+import json
 import os
 import signal
 import subprocess
@@ -31,17 +32,32 @@ def over_ssh(sshd, slots):
 LOCAL = "  - ssh: localhost\n"
 
 
-def job_dirs():
+def job_dirs(worker_dir: Path) -> set[Path]:
+    """The job directories under this machine's ~ (the ssh hosts'), less those of jobs that
+    another pytest-xdist worker runs meanwhile: their model lies in that worker's own
+    temporary directory, beside ``worker_dir`` (without xdist there is no such worker)."""
     jobs = Path("~/.cache/mlx-cluster/jobs").expanduser()
-    return set(jobs.iterdir()) if jobs.exists() else set()
+    found = set(jobs.iterdir()) if jobs.exists() else set()
+    return {d for d in found if not _another_workers(d, worker_dir)}
+
+
+def _another_workers(job: Path, worker_dir: Path) -> bool:
+    for spec in job.glob("rank*/job.json"):
+        try:
+            model = Path(json.loads(spec.read_text())["model"])
+        except (OSError, ValueError, KeyError):
+            continue  # being written or removed
+        return model.is_relative_to(worker_dir.parent) and not model.is_relative_to(worker_dir)
+    return False
 
 
 @pytest.fixture(autouse=True)
-def no_job_dir_left():
+def no_job_dir_left(tmp_path_factory):
     """Every job removes the per-job directories it made on the (ssh) hosts."""
-    before = job_dirs()
+    worker_dir = tmp_path_factory.getbasetemp()
+    before = job_dirs(worker_dir)
     yield
-    assert job_dirs() - before == set()
+    assert job_dirs(worker_dir) - before == set()
 
 
 @pytest.mark.parametrize("hosts", ["ssh2", "local+ssh2"])
