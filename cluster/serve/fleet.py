@@ -341,7 +341,7 @@ class Fleet:
         return {**self.summary(groups), "groups": groups}
 
     def cluster(self) -> dict:
-        from cluster.serve.overview import percentiles, rates
+        from cluster.serve.overview import handoffs, percentiles, rates
 
         groups = [{"group": g.group, **g.cluster(), **self.figures(g)} for g in self.groups]
         answers = [a for g in self.groups for a in g.ask(lambda g=g: list(g.answers))]
@@ -355,6 +355,7 @@ class Fleet:
             failures=sorted((f for g in groups for f in g["failures"]), key=lambda f: f["at"]),
             rates=rates(recent, now),
             ttft_s=percentiles([a.ttft_s for a in recent if a.ttft_s is not None]),
+            handoffs=handoffs(recent),
             answered=len(recent),
             groups=groups,
         )

@@ -58,6 +58,7 @@ def overview(service, now: float) -> dict[str, Any]:
         "window_s": WINDOW_S,
         "rates": rates(answers, now),
         "ttft_s": percentiles([a.ttft_s for a in answers if a.ttft_s is not None]),
+        "handoffs": handoffs(answers),
         "answered": len(answers),
         "time": now,
     }
@@ -120,6 +121,15 @@ def rates(answers: list, now: float) -> list[dict[str, float]]:
          "decode_tps": decode[i] / BUCKET_S}
         for i in range(n)
     ]  # fmt: skip
+
+
+def handoffs(answers: list) -> dict[str, float | int | None]:
+    """The window's answers whose prompt a prefill group prefilled (issue 53): how many, the
+    bytes of KV cache sent, and the median time from a handoff's first frame to its adoption."""
+    handed = [a for a in answers if a.handoff_s is not None]
+    seconds = [a.handoff_s for a in handed]
+    return {"count": len(handed), "bytes": sum(a.handoff_bytes for a in handed),
+            "p50_s": statistics.median(seconds) if seconds else None}  # fmt: skip
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:

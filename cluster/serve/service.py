@@ -107,13 +107,17 @@ class Answered:
     completion_tokens: int
     decode_s: float
     ttft_s: float | None
+    handoff_bytes: int = 0  # its KV cache as a prefill group sent it (issue 53); 0: none
+    handoff_s: float | None = None  # from the first frame to its adoption
 
     @classmethod
     def of(cls, stats: Stats, at: float) -> Answered:
         t = stats.timings
+        handed = "handoff_n" in t
         return cls(at, t.get("prompt_n", 0), t.get("prompt_ms", 0.0) / 1000,
                    t.get("predicted_n", 0), t.get("predicted_ms", 0.0) / 1000,
-                   stats.time_to_first_token_s)  # fmt: skip
+                   stats.time_to_first_token_s, int(t.get("handoff_bytes", 0)) if handed else 0,
+                   t.get("handoff_ms", 0.0) / 1000 if handed else None)  # fmt: skip
 
 
 @dataclass

@@ -123,3 +123,18 @@ def test_the_page_loads_without_the_key_and_its_data_needs_it(keyed):
     page = b"".join(get(keyed, f"/page/{n}")[2] for n in PAGE_FILES)
     assert b"http://" not in page.replace(b"http://www.w3.org/2000/svg", b"")  # no CDN
     assert b"https://" not in page
+
+
+def test_handoffs_count_only_the_answers_a_prefill_group_prefilled():
+    from cluster.core.protocol import Stats
+    from cluster.serve.overview import handoffs
+
+    def stats(timings):
+        return Stats("stop", {}, timings, 0.5, "r")
+
+    handed = {"prompt_n": 9000, "prompt_ms": 10.0, "predicted_n": 4, "predicted_ms": 40.0,
+              "handoff_n": 8999, "handoff_bytes": 110_000_000, "handoff_ms": 2000.0}  # fmt: skip
+    other = {**handed, "handoff_ms": 4000.0, "handoff_bytes": 90_000_000}
+    answers = [Answered.of(stats(t), 0.0) for t in (handed, other, {"prompt_n": 5})]
+    assert handoffs(answers) == {"count": 2, "bytes": 200_000_000, "p50_s": 3.0}
+    assert handoffs(answers[2:]) == {"count": 0, "bytes": 0, "p50_s": None}

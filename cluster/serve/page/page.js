@@ -205,6 +205,15 @@ function drawLists(c) {
   $("failures").replaceChildren(...items);
 }
 
+function drawHandoffs(h) {  // prompts a prefill group prefilled for a decode group
+  $("handoffs").hidden = !h || !h.count;
+  if (!h || !h.count) return;
+  const mb = h.bytes / 1e6;
+  const rate = h.p50_s ? ` (about ${(mb / h.count / h.p50_s).toFixed(1)} MB/s)` : "";
+  $("handoffs").textContent = `${h.count} prompt(s) prefilled by a prefill group, last 5 minutes: ` +
+    `${mb.toFixed(1)} MB of KV cache handed over, median ${secs(h.p50_s)} each${rate}`;
+}
+
 function draw(c) {
   model = c.model;
   $("model").textContent = `${c.model} · ${c.mode} mode`;
@@ -217,6 +226,7 @@ function draw(c) {
   $("waiting").textContent = c.waiting;
   $("ttft50").textContent = secs(c.ttft_s.p50);
   $("ttft95").textContent = secs(c.ttft_s.p95);
+  drawHandoffs(c.handoffs);
   drawRig(c);
   drawRanks(c);
   drawLinks(c);
