@@ -6,6 +6,11 @@ second then, each long prompt's time to its answer, and the handoffs' bytes and 
 settings alternate (A B A B ...), each starting serve afresh, in the same run.
 
     python -m tests.bench.disagg --streams 8 --prompt-tokens 9100 --prompts 2 --repeat 2
+    python -m tests.support.netrig up 2 --rtt 300us --rate 1gbit > rig.yaml   # root
+    python -m tests.bench.disagg --hostfile rig.yaml --prompts 1 --repeat 1
+
+With --hostfile (2 hosts of one rank each, as the namespace rig's) the ranks run there: the
+pipeline group spans both hosts, and the handoff crosses the link between them.
 
 Every rank gets one BLAS thread (OPENBLAS_NUM_THREADS=1), as a host of its own would have its
 own cores. The default model is llama-shaped (hidden 576, 8 layers) with an EOS out of reach.
@@ -32,10 +37,8 @@ from tests.support.long_context import long_text
 from tests.support.serving import BIN, free_port, llama_576, post, stop, wait_up
 
 SETTINGS = {
-    "one pipeline-2 group": ["-n", "2", "--mode", "pipeline"],
+    "one pipeline-2 group": ["--mode", "pipeline"],
     "1 prefill + 1 decode rank": [
-        "-n",
-        "2",
         "--replicas",
         "2",
         "--prefill-groups",
@@ -123,12 +126,16 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=9100)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--log", help="serve's stderr, appended to LOG")
+    parser.add_argument("--hostfile", help="2 hosts (default: 2 ranks on this machine)")
     args = parser.parse_args()
+    where = ["--hostfile", args.hostfile] if args.hostfile else ["-n", "2"]
     model = args.model or str(llama_576(Path(tempfile.mkdtemp())))
     results: dict[str, list[dict]] = {k: [] for k in SETTINGS}
     for _ in range(args.repeat):
         for name, flags in SETTINGS.items():
-            r = measure(model, flags, args.streams, args.prompts, args.prompt_tokens, args.log)
+            r = measure(
+                model, where + flags, args.streams, args.prompts, args.prompt_tokens, args.log
+            )
             results[name].append(r)
             print(f"{name}: {json.dumps(r)}", file=sys.stderr, flush=True)
 
