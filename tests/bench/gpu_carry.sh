@@ -10,10 +10,28 @@
 #           call 2, carry .gpuwhl/b:  bash tests/bench/gpu_carry.sh b
 #           call 3, carry .gpuwhl/c:  bash tests/bench/gpu_carry.sh run
 #           (TOKEN_READ=0 skips tests.bench.token_read; STREAMS="8": the serve bench at 8 only)
+#           or, call 3: bash tests/bench/gpu_carry.sh compare   # docs/benchmarks.md's GPU section:
+#           bench against mlx-lm, 3 alternated rounds, the 2,048-vocabulary 8B-shaped model
 #
 # TOKENIZER_DIR: a model folder whose tokenizer.json has the vocabulary to measure (made by
 # `python -m tests.bench.constrained_bench --vocab 151936 ...`, or make_bench_model).
 set -euo pipefail
+here() {  # the carried wheels installed under /tmp/site, an mlx-cluster command on PATH
+  if [ ! -d /tmp/site/mlx ]; then
+    cp .gpuwhl/c/part.ac /tmp/w/
+    cat /tmp/w/part.aa /tmp/w/part.ab /tmp/w/part.ac \
+      > /tmp/w/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+    rm /tmp/w/part.*
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/site /tmp/w/*.whl
+  fi
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  mkdir -p /tmp/bin
+  printf '#!/bin/sh\nexec python3 -c "import sys; sys.argv[0] = %s; from cluster.commands import main; main()" "$@"\n' "'mlx-cluster'" > /tmp/bin/mlx-cluster
+  chmod +x /tmp/bin/mlx-cluster
+  export PATH=/tmp/bin:$PATH
+}
+
 case "${1:-}" in
 prepare)
   tok=$2; w=$(mktemp -d)
@@ -31,19 +49,7 @@ prepare)
 a) mkdir -p /tmp/w && cp .gpuwhl/a/* /tmp/w/ ;;
 b) cp .gpuwhl/b/part.ab /tmp/w/ && mkdir -p /tmp/tok && cp .gpuwhl/b/tok/* /tmp/tok/ ;;
 run)
-  if [ ! -d /tmp/site/mlx ]; then
-    cp .gpuwhl/c/part.ac /tmp/w/
-    cat /tmp/w/part.aa /tmp/w/part.ab /tmp/w/part.ac \
-      > /tmp/w/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
-    rm /tmp/w/part.*
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-      --target /tmp/site /tmp/w/*.whl
-  fi
-  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-  mkdir -p /tmp/bin
-  printf '#!/bin/sh\nexec python3 -c "import sys; sys.argv[0] = %s; from cluster.commands import main; main()" "$@"\n' "'mlx-cluster'" > /tmp/bin/mlx-cluster
-  chmod +x /tmp/bin/mlx-cluster
-  export PATH=/tmp/bin:$PATH
+  here
   python3 -c "from pathlib import Path; from tests.bench.gpu import make_8b
 make_8b(Path('/tmp/m8b'), Path('/tmp/tok'))"
   [ "${TOKEN_READ:-1}" = 0 ] || timeout 170 python3 -m tests.bench.token_read --model /tmp/m8b --streams 8 --tokens 128 --variants free,grammar,grammar-grouped \
@@ -53,5 +59,20 @@ make_8b(Path('/tmp/m8b'), Path('/tmp/tok'))"
       --modes pipeline --streams $streams --repeat 3 --max-tokens 64 2>&1 \
       | tee "$OUT/gpu$streams.txt" || true
   done ;;
-*) echo "usage: $0 prepare TOKENIZER_DIR | a | b | run" >&2; exit 2 ;;
+compare)  # decode and prefill against mlx-lm by the method's rule: 3 rounds, one bench job each
+  here
+  python3 -c "from pathlib import Path; from tests.bench.gpu import make_8b
+make_8b(Path('/tmp/m8b2k'))"
+  for i in 1 2 3; do
+    timeout 170 mlx-cluster bench --model /tmp/m8b2k --ranks 1 --baselines mlx-lm \
+      --prompt-tokens 512 --gen-tokens 128 --repeat 1 --warmup 1 --json "$OUT/r$i.json" \
+      >/dev/null 2>"$OUT/r$i.err" || true
+    python3 -c "import json, sys
+for r in json.load(open(sys.argv[1]))['results']:
+    ok = r['status'] == 'ok'
+    print('round', sys.argv[2], r['impl'], *(('gen', round(r['generation_tps']['median'], 1),
+          'prefill', round(r['prefill_tps']['median'], 1)) if ok else (r['status'], r['reason'])))
+" "$OUT/r$i.json" "$i"
+  done ;;
+*) echo "usage: $0 prepare TOKENIZER_DIR | a | b | run | compare" >&2; exit 2 ;;
 esac
