@@ -36,17 +36,17 @@ from tests.bench.stall import stream
 from tests.support.long_context import long_text
 from tests.support.serving import BIN, free_port, llama_576, post, stop, wait_up
 
+SPLIT = ["--replicas", "2", "--prefill-groups", "1"]
 SETTINGS = {
     "one pipeline-2 group": ["--mode", "pipeline"],
-    "1 prefill + 1 decode rank": [
-        "--replicas",
-        "2",
-        "--prefill-groups",
-        "1",
-        "--disaggregate-min-tokens",
-        "1024",
-    ],  # fmt: skip
-}
+    "1 prefill + 1 decode rank": [*SPLIT, "--disaggregate-min-tokens", "1024"],
+    # the same two groups, the long prompt prefilled where it decodes: what
+    # --disaggregate-min-tokens chooses between (--settings split,local)
+    "1 prefill + 1 decode rank, prefilled where it decodes": [
+        *SPLIT, "--disaggregate-min-tokens", str(10**9)],
+}  # fmt: skip
+CHOICES = {"pipeline": "one pipeline-2 group", "split": "1 prefill + 1 decode rank",
+           "local": "1 prefill + 1 decode rank, prefilled where it decodes"}  # fmt: skip
 
 
 def measure(model: str, flags: list[str], streams: int, prompts: int, prompt_tokens: int,
@@ -123,19 +123,25 @@ def main() -> None:
     parser.add_argument("--model", help="model directory (default: llama-shaped, built here)")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=9100)
+    parser.add_argument("--prompt-tokens", default="9100", help="comma-separated: each in turn")
+    parser.add_argument("--settings", default="pipeline,split", help="of " + ",".join(CHOICES))
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--log", help="serve's stderr, appended to LOG")
     parser.add_argument("--hostfile", help="2 hosts (default: 2 ranks on this machine)")
     args = parser.parse_args()
     where = ["--hostfile", args.hostfile] if args.hostfile else ["-n", "2"]
     model = args.model or str(llama_576(Path(tempfile.mkdtemp())))
-    results: dict[str, list[dict]] = {k: [] for k in SETTINGS}
+    for tokens in [int(t) for t in args.prompt_tokens.split(",")]:
+        names = [CHOICES[c] for c in args.settings.split(",")]
+        table(names, model, where, tokens, args)
+
+
+def table(names: list[str], model: str, where: list[str], tokens: int, args) -> None:
+    results: dict[str, list[dict]] = {k: [] for k in names}
     for _ in range(args.repeat):
-        for name, flags in SETTINGS.items():
-            r = measure(
-                model, where + flags, args.streams, args.prompts, args.prompt_tokens, args.log
-            )
+        for name in names:
+            r = measure(model, where + SETTINGS[name], args.streams, args.prompts, tokens,
+                        args.log)  # fmt: skip
             results[name].append(r)
             print(f"{name}: {json.dumps(r)}", file=sys.stderr, flush=True)
 
@@ -145,10 +151,10 @@ def main() -> None:
 
     print(f"| setting | streams' median gap (s) | p99 gap (s) | worst gap (s) | stream tok/s "
           f"meanwhile | long prompt's answer (s) | handoff (tokens, MB, ms) |  ({args.streams} "
-          f"streams, {args.prompts} x {args.prompt_tokens}-token prompts, median of "
+          f"streams, {args.prompts} x {tokens}-token prompts, median of "
           f"{args.repeat} [min-max])")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for name in SETTINGS:
+    for name in names:
         answers = [a for r in results[name] for a in r["answers_s"]]
         hand = [h for r in results[name] for h in r["handoffs"]]
         shown = (f"{hand[0][0]}, {statistics.median(h[1] for h in hand) / 1e6:.1f}, "
@@ -156,7 +162,7 @@ def main() -> None:
         print(f"| {name} | {med(name, 'median_gap')} | {med(name, 'p99_gap')} | "
               f"{med(name, 'worst_gap')} | {med(name, 'stream_tps')} | "
               f"{statistics.median(answers):.1f} [{min(answers):.1f}-{max(answers):.1f}] | "
-              f"{shown} |")  # fmt: skip
+              f"{shown} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def test_a_long_prompt_is_prefilled_by_the_prefill_group_and_answers_as_one_proc
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1  # the KV came
     metrics = get(split, "/metrics")[1]
     assert re.search(r'mlx_cluster_handoffs_total\{group="0"\} 1.0', metrics), metrics
-    handed = get(split, "/v1/cluster")[1]["handoffs"]  # what the page shows
+    handed = json.loads(get(split, "/v1/cluster")[1])["handoffs"]  # what the page shows
     assert handed["count"] == 1 and handed["bytes"] == t["handoff_bytes"], handed
     assert handed["p50_s"] == pytest.approx(t["handoff_ms"] / 1000), handed
     # the next turn: the decode group's prompt cache holds the first turn, nothing handed off

@@ -1,6 +1,6 @@
-"""`mlx-cluster install`'s refusals over the loopback sshd. The install itself, into fresh
-venvs on two hosts that reach the package index only through this machine, then a job from
-those venvs, is tested on the rig (test_rig.py)."""
+"""`mlx-cluster install`'s steps. The install itself, into a fresh venv on a host that
+reaches the package index only through this machine, then a job from that venv, is tested on
+the rig (test_rig.py)."""
 
 
 def test_a_gpu_host_gets_mlxs_cuda_build_installed_last():
@@ -54,3 +54,17 @@ def test_a_pip_step_that_fails_runs_once_more_without_pip_s_cache():
         "THESE PACKAGES DO NOT MATCH THE HASHES",
     )
     assert ran == [venv]  # not pip: not run again
+
+
+def test_a_venv_path_gets_the_venv_made_then_its_own_pip():
+    """The rig's e2e test installs into a venv under ~ (expanded by the host's $HOME); any
+    other venv path takes the same steps: the venv, then its own pip, quoted for the shell."""
+    from cluster.rig.install import steps
+
+    made = steps("/opt/my env/bin/python3.12", "/w/m.whl", "python3", True, True, 8123)
+    assert made[0] == "python3 -m venv --system-site-packages '/opt/my env'"
+    pip = "'/opt/my env/bin/python3.12' -m pip install -q --disable-pip-version-check"
+    assert all(c.startswith(pip) and "--proxy http://127.0.0.1:8123" in c for c in made[1:])
+    assert steps("/opt/v/bin/python", "/w/m.whl", "python3", False, False)[0].startswith(
+        "/opt/v/bin/python -m pip install"
+    )  # the venv there already: nothing made
