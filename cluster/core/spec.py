@@ -219,7 +219,7 @@ class ServeSettings:
         metavar="K",
     )
     disaggregate_min_tokens: int = param(
-        2048,
+        512,  # measured: docs/benchmarks.md, "Prefill on one group, decode on another"
         Range(1, integer=True),
         "With --prefill-groups: the fewest prompt tokens to prefill (beyond what the decoding "
         "group holds cached) that go to a prefill group; shorter prompts prefill where they "

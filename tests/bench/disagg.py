@@ -39,7 +39,7 @@ from tests.support.serving import BIN, free_port, llama_576, post, stop, wait_up
 SPLIT = ["--replicas", "2", "--prefill-groups", "1"]
 SETTINGS = {
     "one pipeline-2 group": ["--mode", "pipeline"],
-    "1 prefill + 1 decode rank": [*SPLIT, "--disaggregate-min-tokens", "1024"],
+    "1 prefill + 1 decode rank": [*SPLIT, "--disaggregate-min-tokens", "256"],
     # the same two groups, the long prompt prefilled where it decodes: what
     # --disaggregate-min-tokens chooses between (--settings split,local)
     "1 prefill + 1 decode rank, prefilled where it decodes": [
