@@ -1,9 +1,9 @@
 """`serve --prefill-groups 1` (issue 53): a hostfile's pipeline-2 group prefills long prompts
 and hands their KV to a tensor-2 group, which decodes them (each prefill rank sends its layers,
-re-cut to each decode rank's heads). Greedy answers equal the
-single-process ones; the decode group's prompt cache holds the handed-off prefix for the next
-turn; short prompts prefill where they decode; a killed prefill rank costs no answer (the
-decode group prefills the prompt itself)."""
+re-cut to each decode rank's heads). Greedy answers equal the single-process ones; the decode
+group's prompt cache (memory and disk) holds the handed-off prefix for the next turn; short
+prompts prefill where they decode; a killed prefill rank costs no answer (the decode group
+prefills the prompt itself)."""
 
 from __future__ import annotations
 
@@ -27,15 +27,19 @@ TOKENS = 12
 
 @pytest.fixture(scope="module")
 def split(models, tmp_path_factory):
-    hostfile = tmp_path_factory.mktemp("handoff") / "hosts.yaml"
+    base = tmp_path_factory.mktemp("handoff")
+    hostfile = base / "hosts.yaml"
     hostfile.write_text(yaml.safe_dump({
         "hosts": [{"ssh": "127.0.0.1", "slots": 2}, {"ssh": "localhost", "slots": 2}],
         "groups": [{"hosts": ["127.0.0.1"]}, {"hosts": ["localhost"], "mode": "tensor"}],
     }))  # fmt: skip
+    disk = ["--prompt-cache-disk-gb", "1", "--prompt-cache-dir", str(base / "disk")]
     served = Served(models["qwen2"], "--hostfile", str(hostfile), "--prefill-groups", "1",
-                    "--disaggregate-min-tokens", "64", "--heartbeat-timeout", "5")  # fmt: skip
+                    "--disaggregate-min-tokens", "64", "--heartbeat-timeout", "5",
+                    *disk)  # fmt: skip
     try:
         wait_for(lambda: get(served, "/health")[1]["groups_ready"] == 2)
+        served.disk = base / "disk"
         yield served
     finally:
         if served.proc.poll() is None:
@@ -49,6 +53,16 @@ def chat(served, messages: list[dict]) -> dict:
                                  json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})  # fmt: skip
     return json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+
+def plans_with_blocks(folder) -> int:
+    """How many plans (one per rank of a layout) hold blocks in the disk tier's store."""
+    from node.jobs.diskcache import BLOCK_NAME, STORE
+
+    plans = {
+        p.parent.parent for p in (folder / STORE).glob("*/*/*") if BLOCK_NAME.fullmatch(p.name)
+    }
+    return len(plans)
 
 
 def text(answer: dict) -> str:
@@ -69,6 +83,8 @@ def test_a_long_prompt_is_prefilled_by_the_prefill_group_and_answers_as_one_proc
     handed = json.loads(get(split, "/v1/cluster")[1])["handoffs"]  # what the page shows
     assert handed["count"] == 1 and handed["bytes"] == t["handoff_bytes"], handed
     assert handed["p50_s"] == pytest.approx(t["handoff_ms"] / 1000), handed
+    # the decode group's disk tier holds the handed-off prompt too (each rank its share)
+    wait_for(lambda: plans_with_blocks(split.disk) == 2)  # the prefill group keeps none
     # the next turn: the decode group's prompt cache holds the first turn, nothing handed off
     turn = [{"role": "user", "content": LONG}, {"role": "assistant", "content": text(first)},
             {"role": "user", "content": SHORT}]  # fmt: skip
