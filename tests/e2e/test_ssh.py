@@ -33,21 +33,23 @@ LOCAL = "  - ssh: localhost\n"
 
 
 def job_dirs(worker_dir: Path) -> set[Path]:
-    """The job directories under this machine's ~ (the ssh hosts'), less those of jobs that
-    another pytest-xdist worker runs meanwhile: their model lies in that worker's own
-    temporary directory, beside ``worker_dir`` (without xdist there is no such worker)."""
+    """The job directories under this machine's ~ (the ssh hosts') of this worker's jobs:
+    another pytest-xdist worker's jobs run meanwhile, and their model lies in that worker's
+    own temporary directory, beside ``worker_dir`` (without xdist there is no such worker).
+    A directory whose rank files are not written yet is not judged: ours are written before
+    their rank starts, so a job of ours that leaves its directory leaves them too."""
     jobs = Path("~/.cache/mlx-cluster/jobs").expanduser()
     found = set(jobs.iterdir()) if jobs.exists() else set()
-    return {d for d in found if not _another_workers(d, worker_dir)}
+    return {d for d in found if _ours(d, worker_dir)}
 
 
-def _another_workers(job: Path, worker_dir: Path) -> bool:
+def _ours(job: Path, worker_dir: Path) -> bool:
     for spec in job.glob("rank*/job.json"):
         try:
             model = Path(json.loads(spec.read_text())["model"])
         except (OSError, ValueError, KeyError):
             continue  # being written or removed
-        return model.is_relative_to(worker_dir.parent) and not model.is_relative_to(worker_dir)
+        return model.is_relative_to(worker_dir) or not model.is_relative_to(worker_dir.parent)
     return False
 
 
