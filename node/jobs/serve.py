@@ -74,7 +74,8 @@ from node.rank.watchdog import progress
 PING_S = 2.0  # without a launcher to wake them, idle ranks meet this often (a ping)
 ORDER_BYTES = 32 << 20  # an order's requests, encoded: more wait for the next round
 MEMORY_EVERY_S = 5.0  # each rank reports its peak memory this often (the API's /metrics)
-HANDOFF_WAIT_S = 120.0  # a decode group prefills a handed-off prompt itself past this wait
+HANDOFF_WAIT_S = 120.0  # a decode group prefills a handed-off prompt itself when nothing of it
+# came for this long (from the request, then from its last frame: a long prefill takes minutes)
 
 
 @dataclass
@@ -500,8 +501,10 @@ class Scheduler:
     def handoffs(self, order: Order) -> None:
         """A decode group: tickets every rank is to expect, those every rank holds whole
         (adopted: their requests join as cached prompts) and those that will not come (a
-        failed prefill group, a cancel, a wait past HANDOFF_WAIT_S: forgotten, their
+        failed prefill group, a cancel, nothing of it for HANDOFF_WAIT_S: forgotten, their
         requests prefill here)."""
+        from node.rank.handoff import heard
+
         if not (self.expecting or self.handed_now or self.awaiting):
             return
         order.expect, self.expecting = self.expecting, []
@@ -513,7 +516,8 @@ class Scheduler:
             self.waiting.appendleft((flight, shared))
         self.handed_now = []
         for ticket, (flight, shared, since) in list(self.awaiting.items()):
-            if flight.cancel.is_set() or ticket in failed or now - since > HANDOFF_WAIT_S:
+            quiet = now - max(since, heard(ticket) or since)
+            if flight.cancel.is_set() or ticket in failed or quiet > HANDOFF_WAIT_S:
                 del self.awaiting[ticket]
                 failed.discard(ticket)
                 order.forget.append(ticket)

@@ -40,7 +40,8 @@ PROOF = b"mlx-cluster handoff"
 DTYPES = {"bfloat16": (mx.bfloat16, np.uint16), "float16": (mx.float16, np.float16),
           "float32": (mx.float32, np.float32)}  # fmt: skip
 MOST_QUEUED = 256 << 20  # bytes a sender holds for its links before the prefill waits
-MOST_AGE_S = 600.0  # a ticket no one took this long after its first frame is dropped
+MOST_AGE_S = 600.0  # a ticket no one took this long after its last frame is dropped
+QUIET_S = 120.0  # a handoff from which nothing came this long is given up (and its link)
 
 
 def proof(key: bytes, challenge: bytes) -> bytes:
@@ -116,6 +117,7 @@ class Received:
     dtype: str = "float32"  # the arrays' (``DTYPES``)
     nbytes: int = 0
     began: float = field(default_factory=time.monotonic)
+    heard: float = field(default_factory=time.monotonic)  # its last frame
     failed: str | None = None
 
 
@@ -147,6 +149,7 @@ class Door:
         ticket = None
         try:
             with conn:
+                conn.settimeout(QUIET_S)  # a sender silent this long is not coming back
                 challenge = secrets.token_bytes(CHALLENGE)
                 conn.sendall(challenge)
                 if not hmac.compare_digest(recv_exact(conn, 32), proof(self.key, challenge)):
@@ -167,11 +170,12 @@ class Door:
         with self.lock:
             if ticket not in self.tickets:  # and those no one took: their requests went away
                 now = time.monotonic()
-                for t in [t for t, r in self.tickets.items() if now - r.began > MOST_AGE_S]:
+                for t in [t for t, r in self.tickets.items() if now - r.heard > MOST_AGE_S]:
                     del self.tickets[t]
             got = self.tickets.setdefault(ticket, Received())
             if got.failed:
                 return
+            got.heard = time.monotonic()
             sender = int(header["sender"])
             got.expected.update(int(s) for s in header.get("senders", []))
             if header.get("last"):
@@ -189,6 +193,12 @@ class Door:
             span = int(header["start"]), int(header["stop"])
             got.chunks.append((int(header["layer"]), tuple(header["place"]), *span, keys, values))
             got.nbytes += len(payload)
+
+    def heard(self, ticket: str) -> float | None:
+        """When this ticket's last frame came (time.monotonic), None before its first."""
+        with self.lock:
+            got = self.tickets.get(ticket)
+            return None if got is None else got.heard
 
     def fail(self, ticket: str, why: str) -> None:
         with self.lock:
@@ -399,6 +409,12 @@ def open_door(loaded, spec, rank: int) -> int:
     cache_slots(make_prompt_cache(loaded.model), layout)  # a cache that can take KV, or why not
     DOOR = Door(layout, bytes.fromhex(spec.handoff.key), spec.handoff.host)
     return DOOR.port
+
+
+def heard(ticket: str) -> float | None:
+    """When this rank's door last had a frame of ``ticket`` (rank 0's: the decode group's
+    sign that a handoff is under way)."""
+    return None if DOOR is None else DOOR.heard(ticket)
 
 
 def expect(tickets: list[str]) -> None:

@@ -146,6 +146,29 @@ def test_a_stranger_without_the_key_is_not_read(full):
     door.close()
 
 
+def test_a_sender_gone_quiet_mid_frame_fails_its_ticket_and_frees_the_link(monkeypatch):
+    """A prefill host that stops sending (frozen, its link dead without a reset) holds its
+    door connection no longer than QUIET_S: the ticket is failed, the reading thread ends."""
+    import node.rank.handoff as handoff
+    from node.rank.handoff import proof, send_frame
+
+    monkeypatch.setattr(handoff, "QUIET_S", 0.3)
+    (layout,) = group_layouts(CONFIG, "pipeline", 1)
+    door = Door(layout, KEY)
+    with socket.create_connection(("127.0.0.1", door.port)) as s:
+        s.sendall(proof(KEY, s.recv(32)))
+        ended = {"ticket": "t1", "sender": 0, "senders": [0], "last": True, "frames": 1,
+                 "nbytes": 8}  # fmt: skip
+        send_frame(s, ended, [bytes(8)])
+        send_frame(s, {"ticket": "t1", "nbytes": 1000}, [bytes(10)])  # 990 bytes never come
+        end = time.monotonic() + 10
+        while door.failed("t1") is None and time.monotonic() < end:
+            time.sleep(0.01)
+        assert "could not be read" in (door.failed("t1") or ""), door.tickets
+        assert door.heard("t1") is not None and not door.complete("t1")
+    door.close()
+
+
 class Inbox:
     """Rank 0's inbox as the scheduler reads it, without the channel behind it."""
 
@@ -216,6 +239,33 @@ def test_a_handoff_not_made_in_time_is_prefilled_here(monkeypatch):
     s.take(late)
     order = s.order(live=0)
     assert order.expect == ["t1"] and order.forget == ["t1"] and order.insert == [late.shared]
+
+
+def test_a_long_handoff_still_sending_is_waited_for(monkeypatch):
+    """The wait runs from the handoff's last frame, not from the request: a 100k-token
+    prompt prefills for minutes, its frames coming all along."""
+    import node.jobs.serve as ns
+    import node.rank.handoff as handoff
+
+    class Door:
+        last: float | None = None
+
+        def heard(self, ticket):
+            return self.last
+
+    door = Door()
+    monkeypatch.setattr(handoff, "DOOR", door)
+    s = scheduler("decode")
+    long = flight("a", "t1")
+    s.take(long)
+    assert s.order(live=1).expect == ["t1"]
+    f, shared, since = s.awaiting["t1"]
+    s.awaiting["t1"] = (f, shared, since - 10 * ns.HANDOFF_WAIT_S)  # asked long ago
+    door.last = time.monotonic()  # a frame just came
+    assert s.order(live=1) is None and "t1" in s.awaiting
+    door.last -= 2 * ns.HANDOFF_WAIT_S  # and then nothing
+    order = s.order(live=1)
+    assert order.forget == ["t1"] and order.insert == [long.shared]
 
 
 def test_a_prefill_group_prefills_all_but_the_last_token_and_says_so():
