@@ -258,6 +258,7 @@ class Fleet:
             self.metrics.handoff_bytes.inc(event.nbytes)
 
         inner.on_handed = handed
+        req.prefill_copy = (prefiller, inner)
         self.count_in(inner, prefiller)
         prefiller.submit(inner)
 
@@ -268,7 +269,12 @@ class Fleet:
         self.groups[g].submit(req)
 
     def cancel(self, req: ApiRequest) -> None:
+        """The client went away: its group drops it, and a prefill group its copy (not yet
+        begun: skipped; under way: its ranks finish the prompt, the decode group forgets it)."""
         self.groups[req.group].cancel(req)
+        if req.prefill_copy is not None:
+            prefiller, inner = req.prefill_copy
+            prefiller.cancel(inner, counted=False)
 
     def route(self, req: ApiRequest, leaving: Service | None = None) -> tuple[int, str]:
         """The group for ``req`` and why (module docstring)."""

@@ -269,9 +269,10 @@ class Service:
         why = self.bad_grammars.why(digest(constraint.grammar).hex())
         return None if why is None else RequestError(400, f"'{constraint.source}': {why}")
 
-    def cancel(self, req: ApiRequest) -> None:
-        """The client went away: rank 0 drops its request at its next round."""
-        self.post(self.drop, req)
+    def cancel(self, req: ApiRequest, counted: bool = True) -> None:
+        """The client went away: rank 0 drops its request at its next round (``counted``:
+        in /metrics; a prefill group's copy of a request is not counted again)."""
+        self.post(self.drop, req, counted)
 
     def health(self) -> dict:
         return self.ask(self.describe)
@@ -332,7 +333,7 @@ class Service:
             self.waiting_since[req.id] = time.monotonic()
             self.metrics.waiting(self.group, len(self.pending))
 
-    def drop(self, req: ApiRequest) -> None:
+    def drop(self, req: ApiRequest, counted: bool = True) -> None:
         if req in self.pending:
             self.pending.remove(req)
             self.metrics.waiting(self.group, len(self.pending))
@@ -340,7 +341,8 @@ class Service:
         if flight is not None and not flight.gone:
             flight.gone = True
             self.write({"op": "cancel", "id": req.id})
-        self.metrics.finished("cancelled")
+        if counted:
+            self.metrics.finished("cancelled")
 
     def describe(self) -> dict:
         if self.draining_now:

@@ -336,3 +336,36 @@ def test_a_hostfiles_groups_survive_being_written_back():
     )
     again = parse_hostfile(yaml.safe_load(dump_yaml(hf)))
     assert again.groups == hf.groups
+
+
+def test_a_client_that_leaves_takes_its_prefill_groups_copy_with_it():
+    """A request handed to a prefill group (issue 53) whose client goes away: the decode group
+    drops it and the prefill group is told to drop its copy (counted once in /metrics)."""
+    from cluster.core.spec import Handoff
+
+    metrics = Metrics(lambda: [], groups=lambda: [])
+    roles = [Handoff("prefill", "00" * 32), Handoff("decode", "00" * 32)]
+    services = [
+        Service(local_hostfile(1), JobSpec(model="m", command="serve", handoff=role,
+                                           serve=ServeSettings(disaggregate_min_tokens=1)),
+                io.StringIO(), thread=False, metrics=metrics, group=i)
+        for i, role in enumerate(roles)
+    ]  # fmt: skip
+    sent: list[list[bytes]] = [[] for _ in services]
+    for s, out in zip(services, sent, strict=True):
+        s.attach(out.append, JobState([RankState(0, "localhost")]))
+        s.on_event(0, Serving("m", True))
+    services[1].doors = {0: 5555}  # the decode rank's door is open
+    f = Fleet(services, metrics)
+    req = request(False, messages=[{"role": "user", "content": "x" * 4000}])
+    f.submit(req)
+    assert req.group == 1 and req.request.handoff is not None
+    prefiller, copy = req.prefill_copy
+    assert prefiller is services[0]
+    wait_for(lambda: len(sent[0]) == 1 and len(sent[1]) == 1, timeout=10)  # the outboxes
+    assert json.loads(sent[0][0])["request"]["id"] == copy.id
+    f.cancel(req)
+    wait_for(lambda: len(sent[0]) == 2 and len(sent[1]) == 2, timeout=10)
+    assert json.loads(sent[0][1]) == {"op": "cancel", "id": copy.id}
+    assert json.loads(sent[1][1]) == {"op": "cancel", "id": req.id}
+    assert metrics.requests.labels(status="cancelled")._value.get() == 1

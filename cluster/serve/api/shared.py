@@ -158,6 +158,7 @@ class ApiRequest:
     # the handoff's figures, added to the answer's timings
     on_handed: Callable[[Any], None] | None = None
     handed: dict | None = None
+    prefill_copy: tuple[Any, ApiRequest] | None = None  # (the prefill group, its copy)
 
     def to_rank0(self) -> ServeRequest:
         return dataclasses.replace(self.request, id=self.id)
