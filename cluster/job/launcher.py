@@ -59,6 +59,7 @@ from cluster.job.signals import (
     trap_for,
 )
 from cluster.job.state import (
+    EXIT_PEER_FAILED,
     JobResult,
     JobState,
     RankState,
@@ -72,6 +73,9 @@ from cluster.job.state import (
     ready_line,
     silent_ranks,
 )
+
+PEER_REPORT_S = 5.0  # how long a rank that stopped for a peer's failure waits for that peer's
+# error before the job stops every rank (a SIGTERM then would leave the peer unheard)
 
 
 class LaunchError(RuntimeError):
@@ -271,6 +275,8 @@ class RankWatch:
         self.drained = False  # serve: rank 0 was asked to drain (it then ends the job)
         self.started_all = False  # START was sent: every rank reached Phase("init")
         self.stopping = False  # no keepalives once we stop: a rank we cannot reach ends itself
+        # a rank that stopped because another failed, and when: that one says why in a moment
+        self.peer_stopped: tuple[RankState, float] | None = None
 
     @property
     def result(self) -> JobResult:
@@ -316,9 +322,13 @@ class RankWatch:
             else:
                 running -= 1
                 state.exit_code = payload
-                if payload != 0:
+                if payload == EXIT_PEER_FAILED and running and self.peer_stopped is None:
+                    self.peer_stopped = (state, time.monotonic())  # stop the rest after it
+                elif payload != 0:
                     self.fail(state)
             self.check_liveness()
+        if self.peer_stopped is not None:  # every rank ended, the failed one without a word
+            self.fail(self.peer_stopped[0])
 
     def keep_alive(self) -> None:
         """KEEPALIVE to every live rank once a second: a rank that hears nothing for the
@@ -413,6 +423,12 @@ class RankWatch:
                 pass  # gone: the main loop reports it
 
     def check_liveness(self) -> None:
+        if self.peer_stopped is not None:
+            # its peer's error, or PEER_REPORT_S without one: then the job stops
+            stopped, since = self.peer_stopped
+            said = any(s.error_t is not None for s in self.state.ranks)
+            if said or time.monotonic() - since > PEER_REPORT_S:
+                self.fail(stopped)
         late = overdue(
             self.state,
             time.monotonic(),

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,8 +22,17 @@ PROMPT = "Tell me about lists"
 
 def hostfile(sshd, tmp_path, hosts, **kw):
     path = tmp_path / "hosts.yaml"
-    path.write_text(sshd.hostfile(hosts, sys.executable, **kw))
+    path.write_text(marked(sshd, sshd.hostfile(hosts, sys.executable, **kw)))
     return path
+
+
+MARK = "MLX_CLUSTER_TEST_SSHD"  # in each rank's environment: whose sshd started it
+
+
+def marked(sshd, text: str) -> str:
+    """A hostfile whose ranks' environment names this worker's sshd, so that the job
+    directories they leave are told from another pytest-xdist worker's (job_dirs)."""
+    return f"env: {{{MARK}: '{sshd.port}'}}\n" + text
 
 
 def over_ssh(sshd, slots):
@@ -32,34 +42,30 @@ def over_ssh(sshd, slots):
 LOCAL = "  - ssh: localhost\n"
 
 
-def job_dirs(worker_dir: Path) -> set[Path]:
-    """The job directories under this machine's ~ (the ssh hosts') of this worker's jobs:
-    another pytest-xdist worker's jobs run meanwhile, and their model lies in that worker's
-    own temporary directory, beside ``worker_dir`` (without xdist there is no such worker).
-    A directory whose rank files are not written yet is not judged: ours are written before
-    their rank starts, so a job of ours that leaves its directory leaves them too."""
+def job_dirs(sshd) -> set[Path]:
+    """The job directories under this machine's ~ (the ssh hosts') of ranks this worker's
+    sshd started (their env.sh names it: ``marked``); another worker's jobs run meanwhile.
+    A directory whose env.sh is not written yet is not judged: ours write it before their
+    rank starts, so a job of ours that leaves its directory leaves it too."""
     jobs = Path("~/.cache/mlx-cluster/jobs").expanduser()
     found = set(jobs.iterdir()) if jobs.exists() else set()
-    return {d for d in found if _ours(d, worker_dir)}
+    mine = re.compile(rf"^export {MARK}=.?{sshd.port}\b", re.M)
+    return {d for d in found if any(mine.search(_text(e)) for e in d.glob("rank*/env.sh"))}
 
 
-def _ours(job: Path, worker_dir: Path) -> bool:
-    for spec in job.glob("rank*/job.json"):
-        try:
-            model = Path(json.loads(spec.read_text())["model"])
-        except (OSError, ValueError, KeyError):
-            continue  # being written or removed
-        return model.is_relative_to(worker_dir) or not model.is_relative_to(worker_dir.parent)
-    return False
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:  # being removed
+        return ""
 
 
 @pytest.fixture(autouse=True)
-def no_job_dir_left(tmp_path_factory):
+def no_job_dir_left(sshd):
     """Every job removes the per-job directories it made on the (ssh) hosts."""
-    worker_dir = tmp_path_factory.getbasetemp()
-    before = job_dirs(worker_dir)
+    before = job_dirs(sshd)
     yield
-    assert job_dirs(worker_dir) - before == set()
+    assert job_dirs(sshd) - before == set()
 
 
 @pytest.mark.parametrize("hosts", ["ssh2", "local+ssh2"])
@@ -120,7 +126,7 @@ def test_changed_host_key_is_refused(sshd, models, tmp_path):
 
 def test_wrong_key_file(sshd, models, tmp_path):
     keygen(tmp_path / "stranger")
-    text = sshd.hostfile(over_ssh(sshd, 2), sys.executable).replace(
+    text = marked(sshd, sshd.hostfile(over_ssh(sshd, 2), sys.executable)).replace(
         str(sshd.user_key), str(tmp_path / "stranger")
     )
     hf = tmp_path / "h.yaml"
@@ -135,7 +141,7 @@ def test_unreachable_port(sshd, models, tmp_path):
 
     port = free_port()
     hf = tmp_path / "h.yaml"
-    hf.write_text(sshd.hostfile(f"  - ssh: 127.0.0.1:{port}\n", sys.executable))
+    hf.write_text(marked(sshd, sshd.hostfile(f"  - ssh: 127.0.0.1:{port}\n", sys.executable)))
     started = time.monotonic()
     p = run_cli("launch", "--hostfile", hf, "--model", models["llama"], PROMPT)
     assert p.returncode == 1
@@ -222,7 +228,7 @@ def test_stdin_reaches_rank_0(sshd, models, tmp_path, where):
     fake.chmod(0o755)
     layout = "  - ssh: localhost\n    slots: 2\n" if where == "local" else over_ssh(sshd, 2)
     path = tmp_path / "hosts.yaml"
-    path.write_text(sshd.hostfile(layout, str(fake)))
+    path.write_text(marked(sshd, sshd.hostfile(layout, str(fake))))
     read_end, write_end = os.pipe()
     os.write(write_end, typed)
     os.close(write_end)
@@ -270,7 +276,7 @@ def test_secrets_travel_in_a_private_file_not_argv(sshd, models, tmp_path):
     )
     fake.chmod(0o755)
     path = tmp_path / "hosts.yaml"
-    path.write_text(sshd.hostfile(over_ssh(sshd, 1), str(fake)))
+    path.write_text(marked(sshd, sshd.hostfile(over_ssh(sshd, 1), str(fake))))
     p = run_cli(
         "launch",
         "--verbose",
@@ -307,7 +313,6 @@ def test_start_timeout_names_the_rank(models, tmp_path):
 def test_bench_over_ssh(sshd, models, tmp_path):
     """bench with a hostfile: --ranks N takes its first N ranks; the remote ranks run over
     SSH; the mlx-lm baseline, which runs only here, says so in its row."""
-    import json
 
     hf = hostfile(sshd, tmp_path, LOCAL + over_ssh(sshd, 1))
     out = tmp_path / "bench.json"
