@@ -1,5 +1,6 @@
 """`mlx-cluster launch` end to end: real rank processes over the ring backend on loopback."""
 
+import io
 import socket
 
 import pytest
@@ -180,3 +181,57 @@ def test_the_stats_line_starts_on_its_own_line_on_a_terminal():
     watch.write_text(b"functions that d")
     watch.say("prompt 15 tokens")
     assert piped.getvalue() == b"functions that d"  # a pipe gets only the answer
+
+
+def test_a_rank_stopped_for_its_peer_lets_the_peer_say_why():
+    """Rank 0 stops because rank 1 failed (exit 3) and its exit reaches the launcher before
+    rank 1's error: the job is not torn down until rank 1 has said why (then exit 2, its
+    reason), nor is rank 1 signalled before it has."""
+    import queue
+    import signal
+    import threading
+    import time
+
+    from cluster.core.hostfile import local_hostfile
+    from cluster.core.protocol import Error, encode_event
+    from cluster.core.spec import LaunchSettings
+    from cluster.job.launcher import LaunchError, RankWatch
+
+    class Stand:
+        lost = False
+
+        def __init__(self, rank: int, said: threading.Event):
+            self.rank, self.host, self.said = rank, local_hostfile(2).hosts[0], said
+            self.signals: list[tuple[int, bool]] = []
+
+        def start(self, events: queue.Queue) -> None:
+            def go():
+                if self.rank == 0:
+                    events.put(("exit", 0, 3))  # first: "a peer failed"
+                else:
+                    self.said.wait(5)  # a while after rank 0's exit
+                    error = Error("this rank's tokenizer is not rank 0's", t=1.0, cause="model")
+                    events.put(("err", 1, encode_event(error)))
+                    events.put(("exit", 1, 2))
+
+            threading.Thread(target=go, daemon=True).start()
+
+        def write_stdin(self, data: bytes) -> None:
+            pass
+
+        def send_signal(self, sig: int) -> None:
+            self.signals.append((sig, self.said.is_set()))  # and whether it had spoken yet
+
+        def wait(self, timeout=None):
+            return 0
+
+    said = threading.Event()
+    ranks = [Stand(0, said), Stand(1, said)]
+    watch = RankWatch(ranks, "launch", LaunchSettings(), io.BytesIO(), io.StringIO(),
+                      time.monotonic())  # fmt: skip
+    threading.Timer(0.3, said.set).start()
+    with pytest.raises(LaunchError) as e:
+        watch.run()
+    assert e.value.exit_code == 2, str(e.value)
+    assert "rank 1 of 2" in str(e.value) and "tokenizer is not rank 0's" in str(e.value)
+    assert (signal.SIGTERM, False) not in ranks[1].signals  # not stopped before it spoke
