@@ -503,10 +503,10 @@ class Scheduler:
         (adopted: their requests join as cached prompts) and those that will not come (a
         failed prefill group, a cancel, nothing of it for HANDOFF_WAIT_S: forgotten, their
         requests prefill here)."""
-        from node.rank.handoff import heard
-
         if not (self.expecting or self.handed_now or self.awaiting):
             return
+        from node.rank.handoff import heard
+
         order.expect, self.expecting = self.expecting, []
         now = time.monotonic()
         failed = self.inbox.handoffs_failed

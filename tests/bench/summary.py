@@ -27,7 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.support.processes import cpu_seconds, ranks_below
+from tests.bench.idle import idle_cpu
+from tests.support.processes import ranks_below
 from tests.support.serving import BIN, free_port, fresh_serve, post, stop, wait_up
 
 QUESTIONS = {  # name: (prompt tokens, generated tokens, streams, the figure read)
@@ -90,14 +91,6 @@ def idle_once(model: Path, server: str, seconds: float, tmp: Path) -> list[float
         return idle_cpu([p.pid for p in procs], seconds)
     finally:
         stop(procs)
-
-
-def idle_cpu(pids: list[int], seconds: float) -> list[float]:
-    import time
-
-    before = [cpu_seconds([p]) for p in pids]
-    time.sleep(seconds)  # the measurement itself: nothing is asked meanwhile
-    return [cpu_seconds([p]) - b for p, b in zip(pids, before, strict=True)]
 
 
 def spread(values: list[float]) -> str:
