@@ -180,6 +180,7 @@ def reexec_with_blas(spec: JobSpec, argv: list[str]) -> None:
     extra = blas_env_here(spec.blas, spec.ranks_on_host, dict(os.environ))
     if extra is None:
         return
+    _stderr_lock.acquire()  # no heartbeat line half-written when the process is replaced
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "node", *argv], {**os.environ, **extra})
@@ -201,9 +202,12 @@ def main(argv: list[str] | None = None) -> int:
 
         watch_launcher(args.rank_pid, args.timeout, args.lifeline)
         return 0
-    from node.rank.watchdog import hold_start
+    from node.rank.watchdog import hold_start, start_heartbeat
 
     hold_start()  # before Phase("init"): START may come to any of the process's threads
+    # Beat from the first moment: importing MLX and the model code takes seconds of CPU, more
+    # on a loaded host, and the launcher's heartbeat timeout counts from the rank's start.
+    start_heartbeat(emit)
     try:
         with open(args.spec) as f:
             spec = JobSpec.from_json(f.read())
@@ -213,10 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     reexec_with_blas(spec, argv)
     from node.rank.share import PeerFailed  # imports mlx: after the BLAS is chosen
-    from node.rank.watchdog import start_heartbeat, start_launcher_link
+    from node.rank.watchdog import start_launcher_link
 
     start_launcher_link(spec.launcher_timeout)
-    start_heartbeat(emit)
     try:
         run(spec)
     except PeerFailed as e:

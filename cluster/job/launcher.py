@@ -287,11 +287,12 @@ class RankWatch:
 
     def run(self) -> None:
         """Start every rank and follow them to the end; raise LaunchError on any failure."""
-        now = time.monotonic()
         for r, state in zip(self.ranks, self.state.ranks, strict=True):
-            state.last_seen = now
             try:
                 r.start(self.events)
+                # its heartbeat timeout counts from its own start: starting a rank over SSH
+                # takes a while, and the ranks start one after another
+                state.last_seen = time.monotonic()
             except Exception as e:  # a rank that cannot start: stop those that did
                 state.error = f"could not start: {e}"
                 state.exit_code = 255

@@ -235,3 +235,48 @@ def test_a_rank_stopped_for_its_peer_lets_the_peer_say_why():
     assert e.value.exit_code == 2, str(e.value)
     assert "rank 1 of 2" in str(e.value) and "tokenizer is not rank 0's" in str(e.value)
     assert (signal.SIGTERM, False) not in ranks[1].signals  # not stopped before it spoke
+
+
+def test_a_ranks_silence_counts_from_its_own_start():
+    """Ranks start one after another (over SSH, seconds each on a loaded host): a rank started
+    last is not silent for the time its elders took to start."""
+    import queue
+    import threading
+    import time
+
+    from cluster.core.hostfile import local_hostfile
+    from cluster.core.protocol import Beat, encode_event
+    from cluster.core.spec import LaunchSettings
+    from cluster.job.launcher import RankWatch
+
+    class Stand:
+        lost = False
+
+        def __init__(self, rank: int, starting_s: float):
+            self.rank, self.host, self.starting_s = rank, local_hostfile(2).hosts[0], starting_s
+
+        def start(self, events: queue.Queue) -> None:
+            time.sleep(self.starting_s)  # stands for the SSH session, SFTP and exec of a rank
+            ready = threading.Event()
+
+            def go():
+                ready.wait(0.2)  # its first beat a moment after it started
+                events.put(("err", self.rank, encode_event(Beat(progress=0, idle=False))))
+                events.put(("exit", self.rank, 0))
+
+            threading.Thread(target=go, daemon=True).start()
+
+        def write_stdin(self, data: bytes) -> None:
+            pass
+
+        def send_signal(self, sig: int) -> None:
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    ranks = [Stand(0, 0.0), Stand(1, 1.5)]
+    settings = LaunchSettings(heartbeat_timeout=1.0)
+    watch = RankWatch(ranks, "launch", settings, io.BytesIO(), io.StringIO(), time.monotonic())
+    watch.run()  # before: "rank 1 ... sent nothing for 1.5 s (heartbeat timeout 1 s)"
+    assert [s.exit_code for s in watch.state.ranks] == [0, 0]
