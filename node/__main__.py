@@ -216,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         emit(Error(f"cannot read the job spec: {e}", t=time.time()))
         return EXIT_FAILED
     reexec_with_blas(spec, argv)
-    from node.rank.share import PeerFailed  # imports mlx: after the BLAS is chosen
+    from node.rank.gpu import use_device
+
+    use_device(spec.device)  # imports mlx (after the BLAS is chosen), before mlx-lm
+    from node.rank.share import PeerFailed
     from node.rank.watchdog import start_launcher_link
 
     start_launcher_link(spec.launcher_timeout)

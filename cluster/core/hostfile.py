@@ -22,7 +22,9 @@ TOP_KEYS = ("backend", "python", "model_dir", "env", "ssh", "hosts", "groups")
 GROUP_KEYS = ("hosts", "mode", "role")
 ROLES = ("prefill", "decode")
 MODES = ("pipeline", "tensor")
-HOST_KEYS = ("ssh", "ips", "rdma", "slots", "gpus", "memory_gb", "python", "cwd", "model_dir")
+HOST_KEYS = (
+    "ssh", "ips", "rdma", "slots", "gpus", "device", "memory_gb", "python", "cwd", "model_dir"
+)  # fmt: skip
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts")
 
 
@@ -49,6 +51,7 @@ class Host:
     rdma: list[Any] = field(default_factory=list)
     slots: int = 1
     gpus: list[int] | None = None  # the CUDA devices of its ranks, one each (slots = len(gpus))
+    device: str | None = None  # "cpu": its ranks compute on the CPU even where MLX has a GPU
     memory_gb: float | None = None
     python: str | None = None
     cwd: str | None = None
@@ -191,6 +194,12 @@ def parse_hostfile(data: Any, where: str = "<hostfile>") -> Hostfile:
     model_dir = _opt_str(data.get("model_dir"), "model_dir", fail)
     hostfile = Hostfile(hosts, backend, python, env, ssh, where, model_dir)
     _check_rdma(hostfile, where)
+    on_cpu = [h for h in hosts if h.device == "cpu"]
+    if on_cpu and BACKENDS[backend].collectives_on_gpu:
+        raise fail(
+            f"host {on_cpu[0].index} ({on_cpu[0].target}) has 'device: cpu', but the {backend} "
+            "backend's collectives run only on GPUs; use backend: ring"
+        )
     if data.get("groups") is not None:
         hostfile.groups = _groups(data["groups"], hosts, fail)
         if any(h.rdma for h in hosts):
@@ -312,6 +321,11 @@ def _host(index: int, raw: Any, where: str) -> Host:
                 "gpus runs one rank per GPU; give gpus alone"
             )
         slots = len(gpus)
+    device = raw.get("device")
+    if device not in (None, "cpu", "gpu"):
+        raise fail(f"field 'device' must be cpu or gpu (MLX's default), got {device!r}")
+    if device == "cpu" and gpus is not None:
+        raise fail("fields 'gpus' and 'device: cpu' disagree: a rank on the CPU has no GPU")
     memory_gb = raw.get("memory_gb")
     if memory_gb is not None and (not isinstance(memory_gb, (int, float)) or memory_gb <= 0):
         raise fail(f"field 'memory_gb' must be a positive number, got {memory_gb!r}")
@@ -329,6 +343,7 @@ def _host(index: int, raw: Any, where: str) -> Host:
         rdma=rdma,
         slots=slots,
         gpus=gpus,
+        device="cpu" if device == "cpu" else None,
         memory_gb=memory_gb,
         python=_opt_str(raw.get("python"), "python", fail),
         cwd=_opt_str(raw.get("cwd"), "cwd", fail),
@@ -417,7 +432,7 @@ def hostfile_data(hostfile: Hostfile) -> dict[str, Any]:
             entry["gpus"] = list(h.gpus)
         elif h.slots != 1:
             entry["slots"] = h.slots
-        for key in ("memory_gb", "python", "cwd", "model_dir"):
+        for key in ("device", "memory_gb", "python", "cwd", "model_dir"):
             if getattr(h, key) is not None:
                 entry[key] = getattr(h, key)
         hosts.append(entry)

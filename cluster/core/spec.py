@@ -648,6 +648,7 @@ class JobSpec:
         choices=("auto", "reference"),
     )
     ranks_on_host: int = 1  # ranks sharing this rank's host (BLAS threads = cores / this)
+    device: str = ""  # "cpu": compute on the CPU where MLX would take the GPU (hostfile's device)
     launcher_timeout: float = 30.0  # the rank ends itself when the launcher is silent this long
     backend: str = "ring"  # the hostfile's (cluster.core.backends): how the ranks join
     micro_batches: int = param(

@@ -176,6 +176,7 @@ def rank_launches(hostfile: Hostfile, spec: JobSpec, launch: LaunchSettings) -> 
                 split_weights=split_weights(hostfile),
                 model=rank_model_path(hostfile, e.host, spec.model) if spec.model else "",
                 ranks_on_host=per_host[e.rank],
+                device=e.host.device or "",
                 launcher_timeout=launch.heartbeat_timeout,
                 backend=hostfile.backend,
                 handoff=replace(spec.handoff, host=e.host.hostname),

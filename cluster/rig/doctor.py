@@ -320,6 +320,8 @@ def _check_blas(r: HostReport) -> None:
 def _check_gpus(r: HostReport, wanted: list[int], backend: str) -> None:
     """The GPUs the hostfile gives a host's ranks are there, and MLX runs on them (its CUDA
     build); a host with GPUs that the hostfile does not use gets a note."""
+    if r.host.device == "cpu":  # its ranks leave the host's GPUs alone
+        return
     gpu = r.probe.get("gpu")
     mlx = (gpu or {}).get("mlx") or {}
     if not wanted:

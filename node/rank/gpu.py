@@ -44,9 +44,22 @@ def report_gpu(emit: Callable[[Event], None]) -> None:
     which the rank's start need not wait for."""
     import mlx.core as mx
 
+    if mx.default_device() == mx.cpu:  # no GPU of its own, even on a CUDA host (device: cpu)
+        return
+
     def report() -> None:
         gpu = this_gpu(mx.cuda.is_available())
         if gpu is not None:
             emit(gpu)
 
     threading.Thread(target=report, daemon=True, name="gpu").start()
+
+
+def use_device(device: str) -> None:
+    """A hostfile's ``device: cpu``: this rank computes on the CPU where MLX would take the GPU
+    (a CUDA host's rank that decodes for its GPU's prefill, say). Before mlx-lm is imported:
+    its generation stream is made on the default device."""
+    if device == "cpu":
+        import mlx.core as mx
+
+        mx.set_default_device(mx.cpu)

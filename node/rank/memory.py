@@ -41,6 +41,8 @@ def device_limit() -> tuple[str, int] | None:
     """The limit this rank's device calls for: ("Metal", bytes), ("CUDA", bytes) or None.
     Decided once, at the rank's start: a CUDA GPU's free memory shrinks as the weights load,
     and serve's cache budget must subtract them from the limit that was set, not a smaller one."""
+    if mx.default_device() == mx.cpu:  # a CPU, or a host's ``device: cpu``: the host's RAM
+        return None
     if mx.metal.is_available():
         limit = metal_limits(mx.device_info())
         return ("Metal", limit) if limit is not None else None

@@ -12,6 +12,9 @@
 #           (TOKEN_READ=0 skips tests.bench.token_read; STREAMS="8": the serve bench at 8 only)
 #           or, call 3: bash tests/bench/gpu_carry.sh compare   # docs/benchmarks.md's GPU section:
 #           bench against mlx-lm, 3 alternated rounds, the 2,048-vocabulary 8B-shaped model
+#           or, call 3: bash tests/bench/gpu_carry.sh split     # issue 53: a CUDA rank prefills,
+#           a CPU rank decodes (tests/bench/handoff_gpu.py; PROMPT=32768 REPEAT=2). Its CPU rank
+#           wants OpenBLAS: `prepare` packs this machine's (Debian's libopenblas0-pthread) into c
 #
 # TOKENIZER_DIR: a model folder whose tokenizer.json has the vocabulary to measure (made by
 # `python -m tests.bench.constrained_bench --vocab 151936 ...`, or make_bench_model).
@@ -45,7 +48,10 @@ prepare)
   split -b 30000000 "$w"/mlx_cuda_13-*.whl "$w"/part.
   mv "$w"/part.aa .gpuwhl/a/ && mv "$w"/part.ab .gpuwhl/b/ && mv "$w"/part.ac .gpuwhl/c/
   rm "$w"/mlx_cuda_13-*.whl && mv "$w"/*.whl .gpuwhl/a/
-  cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json .gpuwhl/b/tok/ ;;
+  cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json .gpuwhl/b/tok/
+  b=$(mktemp -d) && cp -L /usr/lib/x86_64-linux-gnu/libopenblas.so.0 \
+    /lib/x86_64-linux-gnu/libgfortran.so.5 /lib/x86_64-linux-gnu/libquadmath.so.0 "$b"/
+  tar cJf .gpuwhl/c/blas.tar.xz -C "$b" . ;;
 a) mkdir -p /tmp/w && cp .gpuwhl/a/* /tmp/w/ ;;
 b) cp .gpuwhl/b/part.ab /tmp/w/ && mkdir -p /tmp/tok && cp .gpuwhl/b/tok/* /tmp/tok/ ;;
 run)
@@ -74,5 +80,15 @@ for r in json.load(open(sys.argv[1]))['results']:
           'prefill', round(r['prefill_tps']['median'], 1)) if ok else (r['status'], r['reason'])))
 " "$OUT/r$i.json" "$i"
   done ;;
-*) echo "usage: $0 prepare TOKENIZER_DIR | a | b | run | compare" >&2; exit 2 ;;
+split)  # issue 53: the GPU rank prefills, a CPU rank of the same host decodes
+  here
+  tar xJf .gpuwhl/c/blas.tar.xz -C /tmp/w
+  for f in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0; do  # where cluster.core.blas looks
+    [ -e /usr/lib/x86_64-linux-gnu/$f ] || cp /tmp/w/$f /usr/lib/x86_64-linux-gnu/ || true
+  done
+  ls -la /usr/lib/x86_64-linux-gnu/libopenblas.so.0 || true
+  nproc; python3 -c "import mlx.core as mx; print(mx.default_device(), mx.cuda.is_available())"
+  timeout "${SPLIT_S:-540}" python3 -m tests.bench.handoff_gpu --prompt-tokens "${PROMPT:-32768}" \
+    --repeat "${REPEAT:-2}" --log "$OUT/serve.log" 2>&1 | tee "$OUT/split.txt" || true ;;
+*) echo "usage: $0 prepare TOKENIZER_DIR | a | b | run | compare | split" >&2; exit 2 ;;
 esac

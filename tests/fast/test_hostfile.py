@@ -121,6 +121,12 @@ def test_localhost_is_local_only_without_port():
             "h.yaml: host 0 (a): field 'rdma[1]' must be a device name",
         ),
         ("- [not, a, mapping]", "h.yaml: host 0 (?): must be a mapping"),
+        ("hosts:\n  - {ssh: a, device: tpu}", "h.yaml: host 0 (a): field 'device' must be cpu or"),
+        ("hosts:\n  - {ssh: a, device: cpu, gpus: 1}", "fields 'gpus' and 'device: cpu' disagree"),
+        (
+            "backend: nccl\nhosts:\n  - {ssh: a, device: cpu}",
+            "h.yaml: host 0 (a) has 'device: cpu', but the nccl backend's collectives run only",
+        ),
     ],
 )
 def test_errors_name_file_host_and_field(tmp_path, text, message):
@@ -136,3 +142,20 @@ def test_missing_and_invalid_files(tmp_path):
         load_hostfile(write(tmp_path, "{", "x.json"))
     with pytest.raises(HostfileError, match="is a directory"):
         load_hostfile(tmp_path)
+
+
+def test_a_cpu_host_reaches_its_ranks_spec_and_the_yaml_form():
+    """``device: cpu`` goes to each of that host's ranks (node.rank.gpu.use_device) and survives
+    the YAML form (serve's groups are written that way)."""
+    from cluster.core.hostfile import hostfile_data, parse_hostfile
+    from cluster.core.spec import JobSpec, LaunchSettings
+    from cluster.job.launcher import rank_launches
+
+    raw = {"hosts": [{"ssh": "127.0.0.1", "gpus": [0]}, {"ssh": "localhost", "device": "cpu"}]}
+    hostfile = parse_hostfile(raw)
+    assert [h.device for h in hostfile.hosts] == [None, "cpu"]
+    assert hostfile_data(hostfile)["hosts"][1]["device"] == "cpu"
+    launches = rank_launches(hostfile, JobSpec(model=""), LaunchSettings())
+    specs = [JobSpec.from_json(x.spec) for x in launches]
+    assert [s.device for s in specs] == ["", "cpu"]
+    assert [x.env.get("CUDA_VISIBLE_DEVICES") for x in launches] == ["0", None]
