@@ -13,7 +13,7 @@
 #           or, call 3: bash tests/bench/gpu_carry.sh compare   # docs/benchmarks.md's GPU section:
 #           bench against mlx-lm, 3 alternated rounds, the 2,048-vocabulary 8B-shaped model
 #           or, call 3: bash tests/bench/gpu_carry.sh split     # issue 53: a CUDA rank prefills,
-#           a CPU rank decodes (tests/bench/handoff_gpu.py; PROMPT=32768 REPEAT=2). Its CPU rank
+#           a CPU rank decodes (tests/bench/handoff_gpu.py; PROMPT=32768 REPEAT=2 SMALL=1). Its CPU rank
 #           wants OpenBLAS: `prepare` packs this machine's (Debian's libopenblas0-pthread) into c
 #
 # TOKENIZER_DIR: a model folder whose tokenizer.json has the vocabulary to measure (made by
@@ -89,6 +89,8 @@ split)  # issue 53: the GPU rank prefills, a CPU rank of the same host decodes
   ls -la /usr/lib/x86_64-linux-gnu/libopenblas.so.0 || true
   nproc; python3 -c "import mlx.core as mx; print(mx.default_device(), mx.cuda.is_available())"
   timeout "${SPLIT_S:-540}" python3 -m tests.bench.handoff_gpu --prompt-tokens "${PROMPT:-32768}" \
-    --repeat "${REPEAT:-2}" --log "$OUT/serve.log" 2>&1 | tee "$OUT/split.txt" || true ;;
+    --repeat "${REPEAT:-2}" --log "$OUT/serve.log" ${SMALL:+--small} \
+    --settings "${SETTINGS:-cpu,split,gpu}" --warm-tokens "${WARM:-0}" 2>&1 | tee "$OUT/split.txt" \
+    || true ;;
 *) echo "usage: $0 prepare TOKENIZER_DIR | a | b | run | compare | split" >&2; exit 2 ;;
 esac

@@ -40,13 +40,25 @@ SETTINGS = {
     "GPU rank alone": {"hosts": [GPU]},
 }
 TOKENS = 16
+CHOICES = {"cpu": "CPU rank alone", "split": "GPU rank prefills, CPU rank decodes",
+           "gpu": "GPU rank alone"}  # fmt: skip
+
+
+def small_llama(base: Path) -> Path:
+    """llama_576's kind, smaller: hidden 256, 2 layers, 4 query / 2 KV heads, 64k context."""
+    from tests.support.tiny import make_model
+
+    return make_model(base / "llama-256", "llama", seed=3, eos_token_id=100_000,
+                      hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=65536)  # fmt: skip
 
 
 def cli() -> str:
     return shutil.which("mlx-cluster") or str(BIN / "mlx-cluster")
 
 
-def measure(model: str, hostfile: dict, prompt: str, folder: Path, log) -> dict:
+def measure(model: str, hostfile: dict, prompt: str, warm: str, folder: Path, log) -> dict:
     path = folder / f"hosts-{len(hostfile['hosts'])}-{hostfile['hosts'][0]['ssh']}.yaml"
     path.write_text(yaml.safe_dump(hostfile))
     port = free_port()
@@ -67,7 +79,7 @@ def measure(model: str, hostfile: dict, prompt: str, folder: Path, log) -> dict:
             if proc.poll() is not None:
                 raise RuntimeError(f"serve exited with {proc.returncode}")
             time.sleep(0.2)
-        answer(port, name, "Warm up.", 4)
+        answer(port, name, warm, 4)
         began = time.perf_counter()
         first, text, usage = answer(port, name, prompt, TOKENS)
         end = time.perf_counter()
@@ -117,36 +129,53 @@ def answer(port: int, name: str, prompt: str, tokens: int) -> tuple[float, str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model directory (default: llama-shaped, built here)")
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="the built model with hidden 256 and 2 layers (MLX's CPU attention "
+        "takes about 19 minutes for 32k tokens with the default's 576 x 8)",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=32768)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--log", help="serve's stderr, appended to LOG")
+    parser.add_argument("--settings", default="cpu,split,gpu", help="of cpu, split, gpu")
+    parser.add_argument(
+        "--warm-tokens",
+        type=int,
+        default=0,
+        help="a warm-up prompt this long first (its kernels compiled; default: a few words)",
+    )
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp())
-    model = args.model or str(llama_576(folder))
+    model = args.model or str(small_llama(folder) if args.small else llama_576(folder))
     prompt = long_text(Path(model), args.prompt_tokens)
+    warm = "Warm up. " + (long_text(Path(model), args.warm_tokens) if args.warm_tokens else "")
+    chosen = {CHOICES[c]: SETTINGS[CHOICES[c]] for c in args.settings.split(",")}
     log = open(args.log, "a") if args.log else subprocess.DEVNULL
-    results: dict[str, list[dict]] = {k: [] for k in SETTINGS}
+    results: dict[str, list[dict]] = {k: [] for k in chosen}
     for _ in range(args.repeat):
-        for name, hostfile in SETTINGS.items():
-            r = measure(model, hostfile, prompt, folder, log)
+        for name, hostfile in chosen.items():
+            r = measure(model, hostfile, prompt, warm, folder, log)
             results[name].append(r)
             print(f"{name}: {json.dumps(r)}", file=sys.stderr, flush=True)
-    alone = statistics.median(r["first_token_s"] for r in results["CPU rank alone"])
+    base = results.get("CPU rank alone")
+    alone = statistics.median(r["first_token_s"] for r in base) if base else float("nan")
     print(f"| setting | time to first token (s) | against the CPU rank alone | next {TOKENS - 1} "
           f"tokens (tok/s) | handoffs (count, MB, median s) | text as the CPU rank's alone |  "
           f"({args.prompt_tokens}-token prompt, median of {args.repeat} [min-max])")  # fmt: skip
     print("|---|---|---|---|---|---|")
-    reference = results["CPU rank alone"][0]["text"]
+    reference = base[0]["text"] if base else None
     for name, rs in results.items():
         ttft = [r["first_token_s"] for r in rs]
         tps = [r["rest_tps"] for r in rs]
         h = rs[-1]["handoffs"] or {}
         shown = (f"{h['count']}, {h['bytes'] / 1e6:.1f}, {h['p50_s']:.2f}"
                  if h.get("count") else "-")  # fmt: skip
-        same = sum(r["text"] == reference for r in rs)
+        same = f"{sum(r['text'] == reference for r in rs)} of {len(rs)}" if base else "-"
+        ratio = f"{alone / statistics.median(ttft):.1f}x" if base else "-"
         print(f"| {name} | {statistics.median(ttft):.2f} [{min(ttft):.2f}-{max(ttft):.2f}] | "
-              f"{alone / statistics.median(ttft):.1f}x | {statistics.median(tps):.1f} | {shown} | "
-              f"{same} of {len(rs)} |", flush=True)  # fmt: skip
+              f"{ratio} | {statistics.median(tps):.1f} | {shown} | {same} |",
+              flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
