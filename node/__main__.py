@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     reexec_with_blas(spec, argv)
     from node.rank.gpu import use_device
 
-    use_device(spec.device)  # imports mlx (after the BLAS is chosen), before mlx-lm
+    use_device(spec.device)  # after the BLAS is chosen, before mlx-lm is imported
     from node.rank.share import PeerFailed
     from node.rank.watchdog import start_launcher_link
 

@@ -159,3 +159,15 @@ def test_a_cpu_host_reaches_its_ranks_spec_and_the_yaml_form():
     specs = [JobSpec.from_json(x.spec) for x in launches]
     assert [s.device for s in specs] == ["", "cpu"]
     assert [x.env.get("CUDA_VISIBLE_DEVICES") for x in launches] == ["0", None]
+
+
+def test_node_imports_no_mlx_before_the_rank_picks_its_device():
+    """mlx-lm makes its generation stream on the default device when it is imported:
+    ``device: cpu`` (node.rank.gpu.use_device) must come first, so node's entry point may
+    not import MLX at its top."""
+    import subprocess
+    import sys
+
+    code = "import sys, node.__main__; print(sorted(m for m in sys.modules if m.startswith('mlx')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
