@@ -265,7 +265,8 @@ class Cached:
 @dataclass
 class Handed:
     """Serve, a prefill group's rank 0: a prompt prefilled and its KV sent to the decode
-    group's ranks (``error``: it was not, and the decode group prefills it itself)."""
+    group's ranks (``error``: it was not, and the decode group prefills it itself, unless
+    the error is CANCELLED: its client left, and the prefill stopped at a chunk's end)."""
 
     kind = "handed"
     request: str
@@ -274,6 +275,9 @@ class Handed:
     nbytes: int
     seconds: float
     error: str | None = None
+
+
+CANCELLED = "cancelled"  # Handed.error of a prefill stopped because its client left
 
 
 MOST_CACHED = 4096  # links one Cached event names (the most recent first)

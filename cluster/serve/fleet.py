@@ -36,7 +36,7 @@ from typing import IO
 
 from cluster.core.hostfile import Host, Hostfile, HostfileError, local_hostfile, split_weights
 from cluster.core.prefix import longest_held, prefix_chain
-from cluster.core.protocol import Handed
+from cluster.core.protocol import CANCELLED, Handed
 from cluster.core.spec import HandoffTicket, JobSpec, LaunchSettings
 from cluster.job.launcher import log
 from cluster.serve.api.shared import ApiRequest
@@ -249,6 +249,8 @@ class Fleet:
         inner.group = prefiller.group
 
         def handed(event: Handed) -> None:  # on the prefill group's loop
+            if event.error == CANCELLED:  # its client left; the decode group forgot it too
+                return
             if event.error is not None:
                 log(prefiller.stderr, f"a handoff failed ({event.error}); group "
                                       f"{decoder.group} prefills the prompt itself")  # fmt: skip

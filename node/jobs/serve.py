@@ -490,6 +490,10 @@ class Scheduler:
         return Order(prefill=PrefillOrder(flight.request.handoff, flight.shared.tokens[:-1],
                                           flight.request.id))  # fmt: skip
 
+    def prefill_cancelled(self) -> bool:
+        """A prefill group's rank 0, between chunks: the client of the prompt under way left."""
+        return bool(self.inserting) and self.inserting[0][0].cancel.is_set()
+
     def handed(self, order: PrefillOrder, nbytes: int, seconds: float, error: str | None) -> None:
         """A prefill group's rank 0: the handoff done (or not), told to the launcher."""
         flight, _ = self.inserting[0]
@@ -911,8 +915,9 @@ def run_serve(job: Job) -> None:
             handoff.forget(order.forget)
             if order.prefill is not None:
                 step = agreed.prefill_step
+                cancelled = (lambda: False) if scheduler is None else scheduler.prefill_cancelled
                 sent = handoff.prefill_and_send(order.prefill, loaded, spec, group, step,
-                                                progress.tick)  # fmt: skip
+                                                progress.tick, cancelled)  # fmt: skip
                 if scheduler is not None:
                     scheduler.handed(order.prefill, *sent)
                 continue

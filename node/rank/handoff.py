@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -476,13 +476,18 @@ def handoff_figures(got: Received, group) -> dict:
             "handoff_ms": round((time.monotonic() - got.began) * 1000, 1)}  # fmt: skip
 
 
-def prefill_and_send(order, loaded, spec, group, step: int, tick) -> tuple[int, float, str | None]:
+def prefill_and_send(
+    order, loaded, spec, group, step: int, tick, cancelled: Callable[[], bool] = lambda: False
+) -> tuple[int, float, str | None]:
     """A prefill group's every rank: prefill ``order.tokens`` a chunk of ``step`` at a time,
     each chunk's KV to the decode ranks as it is done; (bytes this group sent, seconds,
-    the first rank's error or None), the same on every rank."""
+    the first rank's error or None), the same on every rank. After each chunk every rank
+    learns whether rank 0's ``cancelled()`` (its client left): then they stop there, send no
+    end frame (the decode ranks never take what came) and say CANCELLED."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from node.rank.dist import control_stream
+    from cluster.core.protocol import CANCELLED
+    from node.rank.dist import control_stream, rank0_stopped
     from node.rank.numbers import host_floats
 
     h = order.handoff
@@ -509,7 +514,15 @@ def prefill_and_send(order, loaded, spec, group, step: int, tick) -> tuple[int, 
                 layer: (cache[i].keys[:, :, start:end], cache[i].values[:, :, start:end])
                 for layer, i in slots.items()})  # fmt: skip
             tick()
-        sender.end(h.ticket, tokens)
+            if end < len(tokens) and (
+                rank0_stopped(cancelled(), group, mx.default_stream(mx.default_device()))
+                if group is not None and group.size() > 1
+                else cancelled()
+            ):
+                error = CANCELLED
+                break
+        else:
+            sender.end(h.ticket, tokens)
     except (OSError, ValueError, RuntimeError) as e:
         error = f"rank {rank}: {e}"
     if sender is not None:

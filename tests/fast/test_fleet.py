@@ -369,3 +369,10 @@ def test_a_client_that_leaves_takes_its_prefill_groups_copy_with_it():
     assert json.loads(sent[0][1]) == {"op": "cancel", "id": copy.id}
     assert json.loads(sent[1][1]) == {"op": "cancel", "id": req.id}
     assert metrics.requests.labels(status="cancelled")._value.get() == 1
+    # the prefill group, already under way, stops at a chunk's end and says so: no failure
+    # is logged and the decode group (which forgot the request) is told nothing more
+    from cluster.core.protocol import CANCELLED, Handed
+
+    copy.on_handed(Handed(copy.id, req.request.handoff.ticket, 0, 100, 0.1, CANCELLED))
+    assert "a handoff failed" not in services[0].stderr.getvalue()
+    assert len(sent[1]) == 2 and metrics.handoffs.labels(group="0")._value.get() == 0

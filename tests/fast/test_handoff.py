@@ -278,5 +278,41 @@ def test_a_prefill_group_prefills_all_but_the_last_token_and_says_so():
     order = s.order(live=0)
     assert order.prefill is not None and order.prefill.tokens == list(range(1, 8))
     assert order.prefill.handoff.ticket == "t1" and order.prefill.request == "a"
+    assert not s.prefill_cancelled()
+    f.cancel.set()  # the client left: the ranks stop after the chunk under way
+    assert s.prefill_cancelled()
+    f.cancel.clear()
     s.handed(order.prefill, 1234, 0.5, None)
     assert events == [Handed("a", "t1", 7, 1234, 0.5, None)] and s.inbox.gone == ["a"]
+
+
+@pytest.mark.parametrize("leaves", [False, True], ids=["stays", "leaves"])
+def test_a_prefill_whose_client_leaves_stops_at_the_chunks_end(model, leaves):
+    """The prefill group's loop (node.rank.handoff.prefill_and_send, one rank): a client that
+    stays gets every chunk and the end frame; one that leaves during the first chunk stops
+    the prefill there, no end frame goes, and the decode rank never takes what came."""
+    from types import SimpleNamespace
+
+    from cluster.core.protocol import CANCELLED
+    from cluster.core.spec import Handoff, HandoffTicket
+    from node.rank.handoff import prefill_and_send
+
+    (layout,) = group_layouts(CONFIG, "pipeline", 1)
+    door = Door(layout, KEY)
+    ticket = HandoffTicket("t1", doors=[["127.0.0.1", door.port]])
+    order = SimpleNamespace(handoff=ticket, tokens=TOKENS[:-1])
+    loaded = SimpleNamespace(model=model, config=CONFIG)
+    spec = SimpleNamespace(mode="pipeline", world_size=1, split=None, split_weights=None,
+                           handoff=Handoff(role="prefill", key=KEY.hex()))  # fmt: skip
+    chunks = []
+    sent, _, error = prefill_and_send(order, loaded, spec, None, CHUNK,
+                                      lambda: chunks.append(1), lambda: leaves)  # fmt: skip
+    n = len(TOKENS) - 1
+    if leaves:
+        assert error == CANCELLED and len(chunks) == 1 < -(-n // CHUNK)
+        assert not wait_complete(door, timeout=0.5)
+    else:
+        assert error is None and len(chunks) == -(-n // CHUNK)
+        assert wait_complete(door)
+    assert sent > 0
+    door.close()
