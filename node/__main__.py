@@ -196,11 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     watch_p.add_argument("--rank-pid", type=int, required=True)
     watch_p.add_argument("--timeout", type=float, required=True)
     watch_p.add_argument("--lifeline", type=int, required=True)
+    watch_p.add_argument("--job-dir", help="the rank's folder, removed if the launcher is lost")
     args = parser.parse_args(argv)
     if args.cmd == "watch":
         from node.rank.watchdog import watch_launcher
 
-        watch_launcher(args.rank_pid, args.timeout, args.lifeline)
+        watch_launcher(args.rank_pid, args.timeout, args.lifeline, job_dir=args.job_dir)
         return 0
     from node.rank.watchdog import hold_start, start_heartbeat
 
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     from node.rank.share import PeerFailed
     from node.rank.watchdog import start_launcher_link
 
-    start_launcher_link(spec.launcher_timeout)
+    start_launcher_link(spec.launcher_timeout, os.path.dirname(os.path.abspath(args.spec)))
     try:
         run(spec)
     except PeerFailed as e:

@@ -15,21 +15,25 @@ the rank (chat turns, CANCEL, END_OF_INPUT) through a pipe. EOF means the launch
 (killed, or its SSH session closed); silence for the heartbeat timeout means it cannot reach
 this host any more (a laptop that lost its network). Either way the watcher says why on stderr
 and kills the rank: a rank left waiting in a collective keeps its memory wired on a Mac until
-reboot. The watcher ends with the rank: it holds the read end of a pipe only the rank writes
+reboot. Once the rank is gone it removes the rank's job folder, which no launcher is left to
+remove (its env.sh may hold a forwarded token, its job.json the fleet's key). The watcher ends with the rank: it holds the read end of a pipe only the rank writes
 to, which the kernel closes when the rank exits however it exits.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import IO
 
 from cluster.core.protocol import KEEPALIVE, START, WAKE, Beat, Error, Event, encode_event
@@ -79,9 +83,12 @@ def watch_launcher(
     stdin: int = 0,
     out: int = 1,
     kill: Callable[[int, int], None] = os.kill,
+    job_dir: str | None = None,
 ) -> str | None:
     """The watcher's loop: copy stdin to ``out`` without the keepalives until the rank ends
-    (``lifeline`` at EOF: returns None) or the launcher is lost (kills the rank, returns why)."""
+    (``lifeline`` at EOF: returns None) or the launcher is lost (kills the rank, returns why,
+    and once the rank is gone removes its ``job_dir``: no launcher is left to, and its files
+    hold the job's secrets)."""
     heard = time.monotonic()
     why = None
     while why is None:
@@ -121,7 +128,23 @@ def watch_launcher(
     except OSError:
         pass  # nobody is reading any more
     kill(rank_pid, signal.SIGKILL)
+    if job_dir is not None and select.select([lifeline], [], [], RANK_GONE_S)[0]:
+        remove_job_dir(job_dir)
     return why
+
+
+RANK_GONE_S = 10.0  # how long the watcher waits for its killed rank to be gone
+
+
+def remove_job_dir(path: str) -> None:
+    """A rank's folder of the launcher's making (``.../jobs/<job>/rank<N>``, its job.json
+    in it), and its job's folder once no rank's is left; anything else is left alone."""
+    folder = Path(path)
+    if not re.fullmatch(r"rank\d+", folder.name) or not (folder / "job.json").is_file():
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    with suppress(OSError):
+        folder.parent.rmdir()  # only when empty: the other ranks' watchers may still be at it
 
 
 _input: IO[bytes] | None = None
@@ -129,14 +152,16 @@ _lifeline: int | None = None  # the write end, held open for the rank's whole li
 _watcher: subprocess.Popen | None = None
 
 
-def start_launcher_link(timeout: float) -> None:
-    """Start this rank's watcher (see the module's docstring); stdin is its from now on."""
+def start_launcher_link(timeout: float, job_dir: str | None = None) -> None:
+    """Start this rank's watcher (see the module's docstring); stdin is its from now on.
+    ``job_dir``: the rank's folder, which the watcher removes if the launcher is lost."""
     global _input, _lifeline, _watcher
     data_r, data_w = os.pipe()
     life_r, _lifeline = os.pipe()
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     watch = [sys.executable, "-m", "node", "watch", "--rank-pid", str(os.getpid())]
     watch += ["--timeout", str(timeout), "--lifeline", str(life_r)]
+    watch += ["--job-dir", job_dir] if job_dir else []
     _watcher = subprocess.Popen(watch, stdin=0, stdout=data_w, pass_fds=(life_r,), env=env)
     os.close(data_w)
     os.close(life_r)

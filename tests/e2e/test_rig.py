@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import time
@@ -16,7 +17,7 @@ import yaml
 
 from cluster.rig.transfer import MANIFEST
 from tests.support.netrig import Shape, available, down, up
-from tests.support.processes import run_cli, start_streaming
+from tests.support.processes import marked_job_dirs, run_cli, start_streaming
 from tests.support.reference import reference
 
 MISSING = available()
@@ -405,12 +406,20 @@ def test_a_cut_cable_between_two_ranks(rig, models, tmp_path, silent):
 
 def test_a_killed_launcher_leaves_no_rank(rig, models, tmp_path):
     """SIGKILL of the launcher (a laptop that closes): every rank on every host ends itself,
-    and a later job on the same hosts starts cleanly."""
-    hostfile = write_hostfile(rig, tmp_path, hosts=[1, 2, 3], over_cables=False)
+    its watcher removes the rank's job folder (no launcher is left to), and a later job on
+    the same hosts starts cleanly."""
+    mark = ("MLX_CLUSTER_TEST_JOB", secrets.token_hex(8))  # tells this job's folders apart
+    hostfile = write_hostfile(rig, tmp_path, hosts=[1, 2, 3], over_cables=False,
+                              env={mark[0]: mark[1]})  # fmt: skip
     proc = start_streaming("--hostfile", hostfile, "--model", models["endless"], PROMPT)
+    assert len(marked_job_dirs(*mark)) == 1  # the job's folder, its 3 ranks' in it
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     wait_until_no_ranks(rig, 10)
+    deadline = time.monotonic() + 10  # each watcher removes its rank's once the rank is gone
+    while left := marked_job_dirs(*mark):
+        assert time.monotonic() < deadline, f"job folders left: {left}"
+        time.sleep(0.1)
     launch_as_reference(hostfile, models["llama"])
 
 

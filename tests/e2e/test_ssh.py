@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import rank_pid, rank_pids, run_cli, start_streaming
+from tests.support.processes import marked_job_dirs, rank_pid, rank_pids, run_cli, start_streaming
 from tests.support.reference import reference
 from tests.support.sshd import SSHD, keygen
 
@@ -43,21 +42,8 @@ LOCAL = "  - ssh: localhost\n"
 
 
 def job_dirs(sshd) -> set[Path]:
-    """The job directories under this machine's ~ (the ssh hosts') of ranks this worker's
-    sshd started (their env.sh names it: ``marked``); another worker's jobs run meanwhile.
-    A directory whose env.sh is not written yet is not judged: ours write it before their
-    rank starts, so a job of ours that leaves its directory leaves it too."""
-    jobs = Path("~/.cache/mlx-cluster/jobs").expanduser()
-    found = set(jobs.iterdir()) if jobs.exists() else set()
-    mine = re.compile(rf"^export {MARK}=.?{sshd.port}\b", re.M)
-    return {d for d in found if any(mine.search(_text(e)) for e in d.glob("rank*/env.sh"))}
-
-
-def _text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:  # being removed
-        return ""
+    """The job directories of ranks this worker's sshd started (their env.sh names it)."""
+    return marked_job_dirs(MARK, str(sshd.port))
 
 
 @pytest.fixture(autouse=True)

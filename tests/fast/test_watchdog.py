@@ -76,7 +76,7 @@ def test_no_stall_before_every_rank_is_ready_or_without_a_timeout():
 class Watch:
     """watch_launcher on pipes, in a thread, with the kill recorded instead of sent."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, job_dir: str | None = None):
         stdin_r, self.stdin = os.pipe()
         self.out, out_w = os.pipe()
         life_r, self.lifeline = os.pipe()
@@ -85,7 +85,8 @@ class Watch:
         self.done = threading.Event()
 
         def run():
-            self.why = watch_launcher(4242, timeout, life_r, stdin_r, out_w, self.record)
+            self.why = watch_launcher(4242, timeout, life_r, stdin_r, out_w, self.record,
+                                      job_dir)  # fmt: skip
             self.done.set()
 
         threading.Thread(target=run, daemon=True).start()
@@ -117,6 +118,28 @@ def test_a_silent_launcher_gets_the_rank_killed():
     assert not w.done.is_set()
     assert w.done.wait(5) and "no word from the launcher" in w.why
     assert w.killed == [(4242, signal.SIGKILL)]
+
+
+@pytest.mark.parametrize("name", ["rank1", "notes"])
+def test_a_lost_launchers_rank_folder_goes_once_the_rank_is_gone(tmp_path, name):
+    """Nobody else will remove it (its env.sh may hold a forwarded token): the watcher does,
+    after the rank it killed is gone, and the job's folder with it when it is empty; a
+    folder that is not a rank's of the launcher's making is left alone."""
+    rank = tmp_path / "jobs" / "abc123" / name
+    rank.mkdir(parents=True)
+    (rank / "job.json").write_text("{}")
+    (rank / "env.sh").write_text("export HF_TOKEN=secret\n")
+    w = Watch(timeout=0, job_dir=str(rank))
+    os.close(w.stdin)  # the launcher is gone
+    for _ in range(500):
+        if w.killed:
+            break
+        time.sleep(0.01)
+    assert w.killed == [(4242, signal.SIGKILL)] and rank.exists()  # not before it is gone
+    os.close(w.lifeline)  # the rank is gone
+    assert w.done.wait(5)
+    assert rank.exists() == (name == "notes")
+    assert (tmp_path / "jobs" / "abc123").exists() == (name == "notes")
 
 
 def test_the_watcher_ends_with_its_rank_and_kills_nothing():

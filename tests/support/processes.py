@@ -133,3 +133,23 @@ def start_streaming(*args):
     first = proc.stdout.read(1)  # blocks until rank 0 streams its first byte
     assert first, proc.stderr.read().decode()
     return proc
+
+
+def marked_job_dirs(name: str, value: str) -> set[Path]:
+    """The job directories under this machine's ~ (where local and ssh ranks keep theirs) of
+    ranks whose environment sets ``name`` to ``value`` (their env.sh says so; a hostfile's
+    ``env:`` marks a test's jobs, as another pytest worker's jobs run meanwhile). A directory
+    whose env.sh is not written yet is not judged: ours write it before their rank starts."""
+    import re
+
+    jobs = Path("~/.cache/mlx-cluster/jobs").expanduser()
+    found = set(jobs.iterdir()) if jobs.exists() else set()
+    mine = re.compile(rf"^export {name}=.?{re.escape(value)}\b", re.M)
+    return {d for d in found if any(mine.search(_text(e)) for e in d.glob("rank*/env.sh"))}
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:  # being removed
+        return ""
