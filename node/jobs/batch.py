@@ -47,6 +47,7 @@ from collections.abc import Callable, KeysView, Sequence
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 from mlx_lm.models.cache import (
+    BatchKVCache,
     LRUPromptCache,
     can_trim_prompt_cache,
     make_prompt_cache,
@@ -202,6 +203,57 @@ def use_grouped_step() -> bool:
     return True
 
 
+MLX_LM_EXTEND = BatchKVCache.extend  # mlx-lm's own, before use_one_copy_extend
+
+
+def extend_in_one_copy(self, other) -> None:
+    """mlx-lm's ``BatchKVCache.extend`` (0.32), copying only what the two batches hold: a new
+    zeroed array, each batch's tokens written right-justified at the longer one's index, and
+    room for the next token. mlx-lm's pads each batch to the longer (a copy of the padding
+    too), concatenates them (a second copy of all of it) and leaves no room, so the next
+    token's write copies it a third time: 8 streams of 300 tokens joined by a prompt of 9,107
+    copied 1 GB three times (issue 53's worst token gap; tests/bench/join_cost.py). The
+    arrays it leaves read as mlx-lm's do up to the index."""
+    if self.keys is None and other.keys is None:
+        self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+        self.offset = mx.concatenate([self.offset, other.offset])
+        return
+    full = other if self.keys is None else self
+    _, heads, _, dk = full.keys.shape
+    dv = full.values.shape[3]
+    index = max(self._idx, other._idx)
+    size = -(-(index + 1) // self.step) * self.step
+    rows = [c.offset.shape[0] for c in (self, other)]
+    keys = mx.zeros((sum(rows), heads, size, dk), dtype=full.keys.dtype)
+    values = mx.zeros((sum(rows), heads, size, dv), dtype=full.values.dtype)
+    lefts, row = [], 0
+    for c, n in zip((self, other), rows, strict=True):
+        left = index - c._idx
+        if c.keys is not None and c._idx:
+            keys[row : row + n, :, left:index] = c.keys[..., : c._idx, :]
+            values[row : row + n, :, left:index] = c.values[..., : c._idx, :]
+        lefts.append(c.left_padding + left)
+        row += n
+    self.keys, self.values, self._idx = keys, values, index
+    self.offset = mx.concatenate([self.offset, other.offset])
+    self.left_padding = mx.concatenate(lefts)
+
+
+def use_one_copy_extend() -> bool:
+    """Put ``extend_in_one_copy`` in mlx-lm's BatchKVCache when it is the class it was
+    written for (its fields by name); otherwise keep mlx-lm's own."""
+    import inspect
+
+    source = inspect.getsource(MLX_LM_EXTEND)
+    fields = ("_idx", "left_padding", "offset", "keys", "values")
+    if not all(f in source for f in fields) or not isinstance(
+        getattr(BatchKVCache, "step", None), int
+    ):
+        return False
+    BatchKVCache.extend = extend_in_one_copy  # type: ignore[method-assign]
+    return True
+
+
 class Lockstep:
     """One rank's batch. Every rank holds the same uids: they come from the same orders."""
 
@@ -233,6 +285,7 @@ class Lockstep:
         streams = micro_streams(micro)
         self.comm = streams[-1] if micro > 1 else None
         use_grouped_step()
+        use_one_copy_extend()
         self.generators = [
             BatchGenerator(
                 Ticking(model),  # a tick per forward pass: a long batched prefill is progress

@@ -16,8 +16,9 @@ the rank (chat turns, CANCEL, END_OF_INPUT) through a pipe. EOF means the launch
 this host any more (a laptop that lost its network). Either way the watcher says why on stderr
 and kills the rank: a rank left waiting in a collective keeps its memory wired on a Mac until
 reboot. Once the rank is gone it removes the rank's job folder, which no launcher is left to
-remove (its env.sh may hold a forwarded token, its job.json the fleet's key). The watcher ends with the rank: it holds the read end of a pipe only the rank writes
-to, which the kernel closes when the rank exits however it exits.
+remove (its env.sh may hold a forwarded token, its job.json the fleet's key). The watcher ends
+with the rank: it holds the read end of a pipe only the rank writes to, which the kernel
+closes when the rank exits however it exits.
 """
 
 from __future__ import annotations

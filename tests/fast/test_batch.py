@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cluster.core.protocol import END_OF_INPUT
 from cluster.core.spec import Order, Sampling, SharedRequest, to_dict
 from tests.support.serving import request
@@ -357,3 +359,33 @@ def test_micro_batches_apply_to_our_stages_only(tmp_path):
         micro_batches_note(model, 1, 2) or ""
     )
     assert micro_batches_note(model, 2, 1) is None
+
+
+@pytest.mark.parametrize("lengths", [((300, 120), (9107,)), ((40,), (5, 70)), ((0,), (33,))])
+def test_a_joining_batch_reads_as_mlx_lms_extend_leaves_it(lengths):
+    """node.jobs.batch.extend_in_one_copy against mlx-lm's BatchKVCache.extend: the same
+    keys, values, offsets and left padding up to the index (what attention reads), with room
+    for the next token, whichever batch is longer."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from node.jobs.batch import MLX_LM_EXTEND, extend_in_one_copy
+
+    def batch(sizes, seed):
+        caches = []
+        for i, n in enumerate(sizes):
+            c = KVCache()
+            if n:
+                k = mx.random.normal((1, 2, n, 8), key=mx.random.key(seed + i))
+                c.update_and_fetch(k, k * 2)
+            caches.append(c)
+        return BatchKVCache.merge(caches)
+
+    ours, theirs = batch(lengths[0], 0), batch(lengths[0], 0)
+    extend_in_one_copy(ours, batch(lengths[1], 10))
+    MLX_LM_EXTEND(theirs, batch(lengths[1], 10))
+    for a, b in zip(ours.keys_and_values(), theirs.keys_and_values(), strict=True):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+    assert ours.offset.tolist() == theirs.offset.tolist()
+    assert ours.left_padding.tolist() == theirs.left_padding.tolist()
+    assert ours._idx == theirs._idx and ours.keys.shape[2] > ours._idx  # room for a token
