@@ -203,7 +203,7 @@ def use_grouped_step() -> bool:
     return True
 
 
-MLX_LM_EXTEND = BatchKVCache.extend  # mlx-lm's own, before use_one_copy_extend
+MLX_LM_EXTEND = BatchKVCache.extend  # mlx-lm's own, before use_one_copy_joins
 
 
 def extend_in_one_copy(self, other) -> None:
@@ -239,18 +239,39 @@ def extend_in_one_copy(self, other) -> None:
     self.left_padding = mx.concatenate(lefts)
 
 
-def use_one_copy_extend() -> bool:
-    """Put ``extend_in_one_copy`` in mlx-lm's BatchKVCache when it is the class it was
-    written for (its fields by name); otherwise keep mlx-lm's own."""
+def filter_in_one_copy(self, batch_indices) -> None:
+    """mlx-lm's ``BatchKVCache.filter`` (0.32), reading only the kept streams' window: mlx-lm
+    gathers the kept rows whole, then drops the padding they all share, so 8 streams of 300
+    tokens left by a prompt of 9,107 copied 8 x 9,107 tokens to keep 8 x 300 (and held them
+    until the next copy). The arrays it leaves read as mlx-lm's do."""
+    self.offset = self.offset[batch_indices]
+    self.left_padding = self.left_padding[batch_indices]
+    lefts = self.left_padding.tolist()
+    shared = min(lefts) if lefts else 0
+    if self.keys is not None:
+        rows = batch_indices if isinstance(batch_indices, mx.array) else mx.array(batch_indices)
+        self.keys = self.keys[:, :, shared:, :][rows]
+        self.values = self.values[:, :, shared:, :][rows]
+    if shared > 0:
+        self._idx -= shared
+        self.left_padding -= shared
+
+
+MLX_LM_FILTER = BatchKVCache.filter  # mlx-lm's own, before use_one_copy_joins
+
+
+def use_one_copy_joins() -> bool:
+    """Put ``extend_in_one_copy`` and ``filter_in_one_copy`` in mlx-lm's BatchKVCache when it
+    is the class they were written for (its fields by name); otherwise keep mlx-lm's own."""
     import inspect
 
-    source = inspect.getsource(MLX_LM_EXTEND)
+    source = inspect.getsource(MLX_LM_EXTEND) + inspect.getsource(MLX_LM_FILTER)
     fields = ("_idx", "left_padding", "offset", "keys", "values")
-    if not all(f in source for f in fields) or not isinstance(
-        getattr(BatchKVCache, "step", None), int
-    ):
+    step = getattr(BatchKVCache, "step", None)
+    if not all(f in source for f in fields) or not isinstance(step, int):
         return False
     BatchKVCache.extend = extend_in_one_copy  # type: ignore[method-assign]
+    BatchKVCache.filter = filter_in_one_copy  # type: ignore[method-assign]
     return True
 
 
@@ -285,7 +306,7 @@ class Lockstep:
         streams = micro_streams(micro)
         self.comm = streams[-1] if micro > 1 else None
         use_grouped_step()
-        use_one_copy_extend()
+        use_one_copy_joins()
         self.generators = [
             BatchGenerator(
                 Ticking(model),  # a tick per forward pass: a long batched prefill is progress

@@ -3,7 +3,8 @@ BatchKVCache.extend pads every stream's cache to the longest, so 8 streams of 30
 joined by one of 9,107 become 9 x 9,107; then one attention step of the 9-stream batch,
 against the same step before. llama-576's KV (8 layers, 3 KV heads of 64, float32). The
 join is timed with the next token's write into the cache (mlx-lm's extend leaves no room
-for it), for mlx-lm's extend and ours (node.jobs.batch.extend_in_one_copy), alternated.
+for it), then the long one's leaving (filter), for mlx-lm's extend and filter and ours
+(node.jobs.batch.extend_in_one_copy, filter_in_one_copy), alternated.
 
     OPENBLAS_NUM_THREADS=1 python -m tests.bench.join_cost
 """
@@ -15,7 +16,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from node.jobs.batch import MLX_LM_EXTEND, extend_in_one_copy
+from node.jobs.batch import MLX_LM_EXTEND, MLX_LM_FILTER, extend_in_one_copy, filter_in_one_copy
 
 L, H, D = 8, 3, 64
 
@@ -40,9 +41,10 @@ def attend(layers, q):
 
 
 def main() -> None:
-    variants = {"mlx-lm": MLX_LM_EXTEND, "ours": extend_in_one_copy}
+    variants = {"mlx-lm": (MLX_LM_EXTEND, MLX_LM_FILTER),
+                "ours": (extend_in_one_copy, filter_in_one_copy)}  # fmt: skip
     for trial in range(3):
-        for name, extend in variants.items():
+        for name, (extend, leave) in variants.items():
             layers = [batch(8, 300) for _ in range(L)]
             longs = [batch(1, 9107) for _ in range(L)]
             mx.eval([c.keys for c in layers + longs])
@@ -62,10 +64,16 @@ def main() -> None:
             attend(layers, q)
             after = time.perf_counter() - t
             nbytes = sum(c.keys.nbytes + c.values.nbytes for c in layers)
+            t = time.perf_counter()
+            for c in layers:
+                leave(c, list(range(8)))  # the long prompt's answer ends
+            mx.eval([c.keys for c in layers] + [c.values for c in layers])
+            left = time.perf_counter() - t
             print(
                 f"trial {trial} {name}: attention step, 8 streams at 300: {before * 1000:.1f} "
                 f"ms; extend to 9 x 9107 and write a token: {join * 1000:.0f} ms "
-                f"({nbytes / 1e6:.0f} MB); attention step after: {after * 1000:.1f} ms",
+                f"({nbytes / 1e6:.0f} MB); attention step after: {after * 1000:.1f} ms; the "
+                f"long one leaves: {left * 1000:.0f} ms",
                 flush=True,
             )
 

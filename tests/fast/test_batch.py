@@ -363,13 +363,19 @@ def test_micro_batches_apply_to_our_stages_only(tmp_path):
 
 @pytest.mark.parametrize("lengths", [((300, 120), (9107,)), ((40,), (5, 70)), ((0,), (33,))])
 def test_a_joining_batch_reads_as_mlx_lms_extend_leaves_it(lengths):
-    """node.jobs.batch.extend_in_one_copy against mlx-lm's BatchKVCache.extend: the same
-    keys, values, offsets and left padding up to the index (what attention reads), with room
-    for the next token, whichever batch is longer."""
+    """node.jobs.batch.extend_in_one_copy and filter_in_one_copy against mlx-lm's
+    BatchKVCache.extend and filter: the same keys, values, offsets and left padding up to
+    the index (what attention reads), with room for the next token, whichever batch is
+    longer, and again once the last stream leaves."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache, KVCache
 
-    from node.jobs.batch import MLX_LM_EXTEND, extend_in_one_copy
+    from node.jobs.batch import (
+        MLX_LM_EXTEND,
+        MLX_LM_FILTER,
+        extend_in_one_copy,
+        filter_in_one_copy,
+    )
 
     def batch(sizes, seed):
         caches = []
@@ -389,3 +395,11 @@ def test_a_joining_batch_reads_as_mlx_lms_extend_leaves_it(lengths):
     assert ours.offset.tolist() == theirs.offset.tolist()
     assert ours.left_padding.tolist() == theirs.left_padding.tolist()
     assert ours._idx == theirs._idx and ours.keys.shape[2] > ours._idx  # room for a token
+    # then the last stream leaves (as a handed-off prompt asking one token does at once)
+    kept = list(range(len(lengths[0]) + len(lengths[1]) - 1))
+    filter_in_one_copy(ours, kept)
+    MLX_LM_FILTER(theirs, kept)
+    for a, b in zip(ours.keys_and_values(), theirs.keys_and_values(), strict=True):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+    assert ours.offset.tolist() == theirs.offset.tolist()
+    assert ours.left_padding.tolist() == theirs.left_padding.tolist() and ours._idx == theirs._idx
