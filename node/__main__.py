@@ -74,7 +74,7 @@ def run(spec: JobSpec) -> None:
     from node.rank.memory import apply_memory_limits
     from node.rank.watchdog import wait_for_start
 
-    report_gpu(emit)
+    report_gpu(emit, spec.device)
     emit(Phase("init"))
     # every rank joins at the launcher's START, together (cluster.core.protocol.START)
     if not wait_for_start(spec.launcher_timeout):

@@ -39,12 +39,12 @@ def this_gpu(mlx_cuda: bool) -> Gpu | None:
     return None
 
 
-def report_gpu(emit: Callable[[Event], None]) -> None:
+def report_gpu(emit: Callable[[Event], None], device: str = "") -> None:
     """Say this rank's GPU (if any) from a thread of its own: nvidia-smi can take a second,
     which the rank's start need not wait for."""
     import mlx.core as mx
 
-    if mx.default_device() == mx.cpu:  # no GPU of its own, even on a CUDA host (device: cpu)
+    if device == "cpu":  # the hostfile put it on the CPU: it uses no GPU of the host's
         return
 
     def report() -> None:

@@ -526,7 +526,8 @@ def prefill_and_send(
     except (OSError, ValueError, RuntimeError) as e:
         error = f"rank {rank}: {e}"
     if sender is not None:
-        error = sender.finish() or error
+        closed = sender.finish()  # a cancel's links may close under it: still a cancel
+        error = error if error == CANCELLED else closed or error
     figures = [float(sender.sent_bytes if sender else 0), 1.0 if error else 0.0]
     if group is not None and group.size() > 1:
         total = mx.distributed.all_sum(mx.array(figures), group=group, stream=control_stream())
