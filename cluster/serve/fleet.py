@@ -272,7 +272,7 @@ class Fleet:
 
     def cancel(self, req: ApiRequest) -> None:
         """The client went away: its group drops it, and a prefill group its copy (not yet
-        begun: skipped; under way: its ranks finish the prompt, the decode group forgets it)."""
+        begun: skipped; under way: its ranks stop at the end of the chunk they are on)."""
         self.groups[req.group].cancel(req)
         if req.prefill_copy is not None:
             prefiller, inner = req.prefill_copy

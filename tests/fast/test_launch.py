@@ -183,50 +183,67 @@ def test_the_stats_line_starts_on_its_own_line_on_a_terminal():
     assert piped.getvalue() == b"functions that d"  # a pipe gets only the answer
 
 
+class StandIn:
+    """A rank as RankWatch drives it, without a process: ``go`` (a subclass's) puts its
+    events on the launcher's queue from a thread of its own; signals are recorded."""
+
+    lost = False
+
+    def __init__(self, rank: int):
+        from cluster.core.hostfile import local_hostfile
+
+        self.rank, self.host = rank, local_hostfile(2).hosts[0]
+        self.signals: list[int] = []
+
+    def start(self, events) -> None:
+        import threading
+
+        threading.Thread(target=self.go, args=(events,), daemon=True).start()
+
+    def go(self, events) -> None:
+        raise NotImplementedError
+
+    def write_stdin(self, data: bytes) -> None:
+        pass
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    def wait(self, timeout=None):
+        return 0
+
+
 def test_a_rank_stopped_for_its_peer_lets_the_peer_say_why():
     """Rank 0 stops because rank 1 failed (exit 3) and its exit reaches the launcher before
     rank 1's error: the job is not torn down until rank 1 has said why (then exit 2, its
     reason), nor is rank 1 signalled before it has."""
-    import queue
     import signal
     import threading
     import time
 
-    from cluster.core.hostfile import local_hostfile
     from cluster.core.protocol import Error, encode_event
     from cluster.core.spec import LaunchSettings
     from cluster.job.launcher import LaunchError, RankWatch
 
-    class Stand:
-        lost = False
+    said = threading.Event()
+    early: list[int] = []  # signals rank 1 got before it spoke
 
-        def __init__(self, rank: int, said: threading.Event):
-            self.rank, self.host, self.said = rank, local_hostfile(2).hosts[0], said
-            self.signals: list[tuple[int, bool]] = []
-
-        def start(self, events: queue.Queue) -> None:
-            def go():
-                if self.rank == 0:
-                    events.put(("exit", 0, 3))  # first: "a peer failed"
-                else:
-                    self.said.wait(5)  # a while after rank 0's exit
-                    error = Error("this rank's tokenizer is not rank 0's", t=1.0, cause="model")
-                    events.put(("err", 1, encode_event(error)))
-                    events.put(("exit", 1, 2))
-
-            threading.Thread(target=go, daemon=True).start()
-
-        def write_stdin(self, data: bytes) -> None:
-            pass
+    class Stand(StandIn):
+        def go(self, events) -> None:
+            if self.rank == 0:
+                events.put(("exit", 0, 3))  # first: "a peer failed"
+            else:
+                said.wait(5)  # a while after rank 0's exit
+                error = Error("this rank's tokenizer is not rank 0's", t=1.0, cause="model")
+                events.put(("err", 1, encode_event(error)))
+                events.put(("exit", 1, 2))
 
         def send_signal(self, sig: int) -> None:
-            self.signals.append((sig, self.said.is_set()))  # and whether it had spoken yet
+            super().send_signal(sig)
+            if self.rank == 1 and not said.is_set():
+                early.append(sig)
 
-        def wait(self, timeout=None):
-            return 0
-
-    said = threading.Event()
-    ranks = [Stand(0, said), Stand(1, said)]
+    ranks = [Stand(0), Stand(1)]
     watch = RankWatch(ranks, "launch", LaunchSettings(), io.BytesIO(), io.StringIO(),
                       time.monotonic())  # fmt: skip
     threading.Timer(0.3, said.set).start()
@@ -234,46 +251,31 @@ def test_a_rank_stopped_for_its_peer_lets_the_peer_say_why():
         watch.run()
     assert e.value.exit_code == 2, str(e.value)
     assert "rank 1 of 2" in str(e.value) and "tokenizer is not rank 0's" in str(e.value)
-    assert (signal.SIGTERM, False) not in ranks[1].signals  # not stopped before it spoke
+    assert signal.SIGTERM not in early  # not stopped before it spoke
 
 
 def test_a_ranks_silence_counts_from_its_own_start():
     """Ranks start one after another (over SSH, seconds each on a loaded host): a rank started
     last is not silent for the time its elders took to start."""
-    import queue
-    import threading
     import time
 
-    from cluster.core.hostfile import local_hostfile
     from cluster.core.protocol import Beat, encode_event
     from cluster.core.spec import LaunchSettings
     from cluster.job.launcher import RankWatch
 
-    class Stand:
-        lost = False
-
+    class Stand(StandIn):
         def __init__(self, rank: int, starting_s: float):
-            self.rank, self.host, self.starting_s = rank, local_hostfile(2).hosts[0], starting_s
+            super().__init__(rank)
+            self.starting_s = starting_s
 
-        def start(self, events: queue.Queue) -> None:
+        def start(self, events) -> None:
             time.sleep(self.starting_s)  # stands for the SSH session, SFTP and exec of a rank
-            ready = threading.Event()
+            super().start(events)
 
-            def go():
-                ready.wait(0.2)  # its first beat a moment after it started
-                events.put(("err", self.rank, encode_event(Beat(progress=0, idle=False))))
-                events.put(("exit", self.rank, 0))
-
-            threading.Thread(target=go, daemon=True).start()
-
-        def write_stdin(self, data: bytes) -> None:
-            pass
-
-        def send_signal(self, sig: int) -> None:
-            pass
-
-        def wait(self, timeout=None):
-            return 0
+        def go(self, events) -> None:
+            time.sleep(0.2)  # its first beat a moment after it started
+            events.put(("err", self.rank, encode_event(Beat(progress=0, idle=False))))
+            events.put(("exit", self.rank, 0))
 
     ranks = [Stand(0, 0.0), Stand(1, 1.5)]
     settings = LaunchSettings(heartbeat_timeout=1.0)
