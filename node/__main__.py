@@ -107,7 +107,7 @@ def run(spec: JobSpec) -> None:
     if spec.command == "serve" and spec.handoff.role == "decode":  # KV comes from prefill groups
         from node.rank.handoff import open_door
 
-        door = open_door(loaded, spec, group.rank())
+        door = open_door(loaded, spec, group.rank(), log)
     barrier(group)
     layers = None if loaded.layers is None else list(loaded.layers)
     emit(Ready(time.perf_counter() - tic, layers=layers, files=loaded.files, door=door))

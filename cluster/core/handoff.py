@@ -13,6 +13,8 @@ and each byte crosses a link once per rank that needs it.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,3 +88,10 @@ def plan_pieces(senders: list[Layout], receivers: list[Layout]) -> list[Piece]:
             for s, (send, where) in sorted(by_sender.items()):
                 pieces.append(Piece(s, r, layer, tuple(send), tuple(where)))
     return pieces
+
+
+def tokens_digest(tokens: list[int]) -> str:
+    """A prompt's tokens as a decode group's rank 0 tells every rank the handed-off KV must
+    stand for (the end frames' tokens, ``Expect.tokens``)."""
+    data = struct.pack(f"<{len(tokens)}i", *tokens)
+    return hashlib.blake2b(data, digest_size=16).hexdigest()

@@ -66,6 +66,12 @@ class Host:
     def label(self) -> str:
         return f"host {self.index} ({self.target})"
 
+    @property
+    def address(self) -> str:
+        """Where the other hosts reach it: its first ``ips`` address (the ring's), else its
+        name (a serve's handoff door listens there)."""
+        return self.ips[0] if self.ips else self.hostname
+
 
 @dataclass
 class HostGroup:

@@ -35,23 +35,51 @@ def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def rendered_chars(message: Any) -> int:
+    """The characters of a message that a chat template writes into the prompt: its text,
+    its tool calls, a tool's result; not the fields templates drop (``name``,
+    ``reasoning_content``) nor the JSON around them. The router counts a prompt's tokens by
+    these (and the tools' JSON), so a request's odd fields cannot make it misjudge the next."""
+    if not isinstance(message, dict):
+        return MESSAGE_CHARS + text_chars(message)
+    return MESSAGE_CHARS + sum(text_chars(v) for k, v in message.items() if k not in UNRENDERED)
+
+
+def text_chars(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(text_chars(v) for v in value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    return 0
+
+
+UNRENDERED = frozenset({"name", "reasoning_content", "reasoning", "role", "tool_call_id"})
+MESSAGE_CHARS = 16  # a template's markers around each message ("<|im_start|>user\n", ...)
+
+
 def prefix_chain(request: ServeRequest) -> list[Link]:
-    """The links of ``request``'s prompt, head first. A count request (only counted) has the
-    chain of its chat: it reads and leaves nothing in the cache, but names the same prompt."""
+    """The links of ``request``'s prompt, head first (its characters: the tools'). A count
+    request (only counted) has the chain of its chat: it reads and leaves nothing in the
+    cache, but names the same prompt."""
     kind = "completion" if request.kind == "completion" else "chat"
     head = {"kind": kind, "template": to_dict(request.template), "scope": request.cache_key}
     h = hashlib.blake2b(_canonical(head), digest_size=HASH_HEX // 2)
+    tools = request.template.tools
+    chars = len(_canonical(tools)) if tools and kind != "completion" else 0
     if kind == "completion":
         text = request.prompt
-        parts = [text[i : i + TEXT_BLOCK].encode() for i in range(0, len(text), TEXT_BLOCK)]
+        parts = [(text[i : i + TEXT_BLOCK].encode(), len(text[i : i + TEXT_BLOCK]))
+                 for i in range(0, len(text), TEXT_BLOCK)]  # fmt: skip
     else:
-        parts = [_canonical(m) for m in request.messages]
-    chain, chars = [Link(h.hexdigest(), 0)], 0
-    for part in parts:
+        parts = [(_canonical(m), rendered_chars(m)) for m in request.messages]
+    chain = [Link(h.hexdigest(), chars)]
+    for part, shown in parts:
         h = h.copy()
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
-        chars += len(part)
+        chars += shown
         chain.append(Link(h.hexdigest(), chars))
     return chain
 

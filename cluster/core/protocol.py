@@ -166,6 +166,7 @@ class Memory:
     peak_memory_gb: float
     disk_read_bytes: int | None = None  # the prompt cache's disk tier on this rank, so far
     disk_written_bytes: int | None = None
+    handoff_bytes: int | None = None  # a decode rank's: handed-off KV its door holds now
 
 
 @dataclass
@@ -280,6 +281,19 @@ class Handed:
 CANCELLED = "cancelled"  # Handed.error of a prefill stopped because its client left
 
 
+@dataclass
+class Forgot:
+    """Serve, a decode group's rank 0: it gave up waiting for a request's handed-off KV (the
+    prefill group failed, the request was cancelled, nothing came in time, a rank's door
+    refused it) and forgot its ticket on every rank; the launcher cancels the prefill
+    group's copy, so no one prefills and sends what no one will take."""
+
+    kind = "forgot"
+    request: str
+    ticket: str
+    why: str
+
+
 MOST_CACHED = 4096  # links one Cached event names (the most recent first)
 
 
@@ -297,6 +311,7 @@ Event = (
     | Admitted
     | Refused
     | Handed
+    | Forgot
     | Memory
     | Notice
     | AwaitingInput
@@ -313,7 +328,7 @@ EVENTS: dict[str, type] = {cls.kind: cls for cls in typing.get_args(Event)}
 # The same from another rank is that rank's fault (a Wake from rank k would write WAKE into
 # rank 0's request channel, and the launcher would take its Pieces as an answer's).
 RANK0_ONLY = (Piece, ToolCall, Counted, Admitted, Refused, Serving, Wake, Stats, Prefill,
-              FirstToken, AwaitingInput, BenchRun, LinkReport, Cached)  # fmt: skip
+              FirstToken, AwaitingInput, BenchRun, LinkReport, Cached, Forgot)  # fmt: skip
 
 
 class BadEvent(ValueError):

@@ -442,10 +442,20 @@ class Order:
     dropped: list[int] = field(default_factory=list)  # tickets whose requests will not come
     # handoffs (issue 53). A decode group: tickets whose KV comes to every rank's door
     # (``expect``), then is planted in the prompt cache (``adopt``) or forgotten (``forget``).
-    expect: list[str] = field(default_factory=list)
+    expect: list[Expect] = field(default_factory=list)
     adopt: list[Adopt] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
     prefill: PrefillOrder | None = None  # a prefill group: prefill these tokens, hand them off
+
+
+@dataclass
+class Expect:
+    """A ticket whose KV every decode rank's door is to hold whole, for the prompt whose
+    tokens' digest is ``tokens`` (node.rank.handoff.tokens_digest): the KV of another
+    prompt is never adopted."""
+
+    ticket: str
+    tokens: str
 
 
 @dataclass

@@ -179,7 +179,7 @@ def rank_launches(hostfile: Hostfile, spec: JobSpec, launch: LaunchSettings) -> 
                 device=e.host.device or "",
                 launcher_timeout=launch.heartbeat_timeout,
                 backend=hostfile.backend,
-                handoff=replace(spec.handoff, host=e.host.hostname),
+                handoff=replace(spec.handoff, host=e.host.address),
             ).to_json(),
             cwd=e.host.cwd,
             extra_env={

@@ -50,6 +50,7 @@ class RankState:
     bad_model: bool = False  # its error says the model cannot be served as asked
     peak_memory_gb: float | None = None  # reported by the rank when its work is done
     disk_bytes: tuple[int, int] | None = None  # its disk prompt cache's bytes read, written
+    handoff_bytes: int | None = None  # a decode rank's: handed-off KV its door holds
     load_s: float | None = None  # how long the rank took to load its shard
     layers: list[int] | None = None  # [first, end) of its pipeline stage; None: all layers
     progress: int = -1  # the last beat's step count
@@ -150,6 +151,8 @@ def on_event(job: JobState, rank: int, event: Event, elapsed: float) -> list[Say
         state.peak_memory_gb = event.peak_memory_gb
         if event.disk_read_bytes is not None:
             state.disk_bytes = (event.disk_read_bytes, event.disk_written_bytes or 0)
+        if event.handoff_bytes is not None:
+            state.handoff_bytes = event.handoff_bytes
     elif isinstance(event, Notice):
         said.append(Say(event.message))
     elif isinstance(event, Error):

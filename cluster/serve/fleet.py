@@ -39,7 +39,7 @@ from cluster.core.prefix import longest_held, prefix_chain
 from cluster.core.protocol import CANCELLED, Handed
 from cluster.core.spec import HandoffTicket, JobSpec, LaunchSettings
 from cluster.job.launcher import log
-from cluster.serve.api.shared import ApiRequest
+from cluster.serve.api.shared import ApiRequest, RequestError
 from cluster.serve.metrics import Metrics
 from cluster.serve.service import Service
 
@@ -260,7 +260,7 @@ class Fleet:
             self.metrics.handoff_bytes.inc(event.nbytes)
 
         inner.on_handed = handed
-        req.prefill_copy = (prefiller, inner)
+        req.drop_copy = lambda: prefiller.cancel(inner, counted=False)
         self.count_in(inner, prefiller)
         prefiller.submit(inner)
 
@@ -272,11 +272,9 @@ class Fleet:
 
     def cancel(self, req: ApiRequest) -> None:
         """The client went away: its group drops it, and a prefill group its copy (not yet
-        begun: skipped; under way: its ranks stop at the end of the chunk they are on)."""
+        begun: skipped; under way: its ranks stop at the end of the chunk they are on), as
+        whenever the request ends (``ApiRequest.let_go``)."""
         self.groups[req.group].cancel(req)
-        if req.prefill_copy is not None:
-            prefiller, inner = req.prefill_copy
-            prefiller.cancel(inner, counted=False)
 
     def route(self, req: ApiRequest, leaving: Service | None = None) -> tuple[int, str]:
         """The group for ``req`` and why (module docstring)."""
@@ -338,6 +336,14 @@ class Fleet:
                    for g in self.groups):  # fmt: skip
             return reqs
         for req in reqs:
+            if req.is_prefill_copy:  # its decode group is told, and prefills it itself
+                leaving.refuse(req, RequestError(503, "its prefill group cannot prefill now",
+                                                 "server_error"))  # fmt: skip
+                continue
+            if req.request.handoff is not None:  # its KV was to go to the leaving group
+                req.let_go()
+                req.request = dataclasses.replace(req.request, handoff=None)
+                req.handed = None
             g, _ = self.route(req, leaving)
             self.send(req, g, "rerouted")
         return []

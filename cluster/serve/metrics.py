@@ -73,6 +73,11 @@ class Metrics:
             "mlx_cluster_rank_disk_cache_bytes", "Bytes each rank's disk prompt cache has read "
             "and written since the ranks started", [*rank_labels, "direction"], registry=r,
         )  # fmt: skip
+        self.handoff_held = Gauge(
+            "mlx_cluster_rank_handoff_held_bytes", "Bytes of handed-off KV cache each decode "
+            "rank's door holds (at most a quarter of what the rank had left once loaded)",
+            rank_labels, registry=r,
+        )  # fmt: skip
         if groups:
             self.group_ready = Gauge(
                 "mlx_cluster_group_ready", "1 while the group's ranks serve", ["group"],
@@ -124,6 +129,7 @@ class Metrics:
         self.peak_memory.clear()
         self.heartbeat_age.clear()
         self.disk_bytes.clear()
+        self.handoff_held.clear()
         now = time.monotonic()
         ranks: list[tuple[dict, Any]] = [({}, s) for s in self.ranks()]
         if self.groups:
@@ -140,6 +146,8 @@ class Metrics:
             if s.disk_bytes is not None:
                 for direction, n in zip(("read", "written"), s.disk_bytes, strict=True):
                     self.disk_bytes.labels(**labels, direction=direction).set(n)
+            if s.handoff_bytes is not None:
+                self.handoff_held.labels(**labels).set(s.handoff_bytes)
             if s.exit_code is None and s.last_seen:
                 self.heartbeat_age.labels(**labels).set(round(now - s.last_seen, 3))
         return generate_latest(self.registry)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import statistics
 import threading
 import time
 from collections import deque
@@ -41,6 +42,7 @@ from cluster.core.protocol import (
     Cached,
     Counted,
     Event,
+    Forgot,
     Handed,
     LinkReport,
     Piece,
@@ -62,7 +64,10 @@ from cluster.serve.api.shared import END, RESTART, ApiRequest, Door, RequestErro
 from cluster.serve.metrics import Metrics
 
 REAP_EVERY_S = 0.25
-LEARN = 0.2  # how fast the characters per token follow rank 0's counts
+# the router's characters per prompt token: the median of the last LEARN_SAMPLES of rank 0's
+# counts, each sample held to [MOST_DENSE, LEAST_DENSE] (one odd prompt cannot move it)
+LEARN_SAMPLES = 32
+MOST_DENSE, LEAST_DENSE = 0.5, 12.0
 MOST_FAILURES_SEEN = 1  # a request under way at this many failures is not decoded again
 ASK_TIMEOUT_S = 10.0
 
@@ -76,13 +81,13 @@ class Load:
     requests: int = 0  # waiting or under way
 
 
-def estimate_tokens(req: ApiRequest) -> int:
+def estimate_tokens(req: ApiRequest, chars_per_token: float = CHARS_PER_TOKEN) -> int:
     """A request's prompt tokens to prefill before rank 0 counts them: what the router
-    reckoned (its characters over 4, less the prefix its group caches), else its characters
-    over 4."""
+    reckoned (its characters less the prefix its group caches, over the group's characters
+    per token), else its characters over ``chars_per_token``."""
     if req.to_prefill is not None:
         return req.to_prefill
-    return int(req.chain[-1].chars / CHARS_PER_TOKEN) if req.chain else 0
+    return int(req.chain[-1].chars / chars_per_token) if req.chain else 0
 
 
 @dataclass
@@ -196,6 +201,7 @@ class Service:
         # the model's characters per prompt token, learned from rank 0's counts (Admitted):
         # the router's estimate of a prompt's tokens before rank 0 counts them
         self.chars_per_token = float(CHARS_PER_TOKEN)
+        self.density: deque[float] = deque(maxlen=LEARN_SAMPLES)  # rank 0's recent counts
         self.load = Load()  # the work it holds, measured after each call on its loop
         # a fleet's: the requests a failed or closed group cannot answer now go to the others
         # (called on this loop with them; returns those it could not place)
@@ -242,7 +248,8 @@ class Service:
     def measure_load(self) -> Load:
         """The prompt tokens it still has to prefill (estimated from the characters until
         rank 0 counted them) and the answers it is streaming."""
-        tokens, streams = sum(estimate_tokens(r) for r in self.pending), 0
+        cpt = self.chars_per_token
+        tokens, streams = sum(estimate_tokens(r, cpt) for r in self.pending), 0
         for flight in self.inflight.values():
             req = flight.req
             if flight.shown:
@@ -252,7 +259,7 @@ class Service:
             elif req.admitted is not None:
                 tokens += max(0, req.admitted[0] - req.admitted[1])
             else:
-                tokens += estimate_tokens(req)
+                tokens += estimate_tokens(req, cpt)
         return Load(tokens, streams, len(self.pending) + len(self.inflight))
 
     # the API's side
@@ -303,7 +310,7 @@ class Service:
     def handoff_doors(self) -> list[list] | None:
         """Where a prefill group sends this group's KV: each rank's [address, port], once
         every rank of the running job opened its door (None until then)."""
-        hosts = [h.hostname for h in self.hostfile.hosts for _ in range(h.slots)]
+        hosts = [h.address for h in self.hostfile.hosts for _ in range(h.slots)]
         if not self.ready or sorted(self.doors) != list(range(len(hosts))):
             return None
         return [[hosts[r], self.doors[r]] for r in range(len(hosts))]
@@ -334,6 +341,7 @@ class Service:
             self.metrics.waiting(self.group, len(self.pending))
 
     def drop(self, req: ApiRequest, counted: bool = True) -> None:
+        req.let_go()
         if req in self.pending:
             self.pending.remove(req)
             self.metrics.waiting(self.group, len(self.pending))
@@ -401,6 +409,13 @@ class Service:
         if isinstance(event, Ready) and event.door is not None:
             self.doors[rank] = event.door
             return
+        if isinstance(event, Forgot):  # the decode group prefills it itself, or it ended
+            forgot = self.inflight.get(event.request)
+            if forgot is not None and forgot.req.drop_copy is not None:
+                log(self.stderr, f"request {event.request}: its handoff was given up "
+                    f"({event.why}); its prefill group's copy is cancelled")  # fmt: skip
+                forgot.req.let_go()
+            return
         if isinstance(event, Handed):
             handed = self.inflight.pop(event.request, None)
             if handed is not None:
@@ -433,7 +448,8 @@ class Service:
             req.admitted = (event.prompt_tokens, event.cached_tokens)
             if req.chain and event.prompt_tokens > 0 and req.chain[-1].chars > 0:
                 seen = req.chain[-1].chars / event.prompt_tokens
-                self.chars_per_token += LEARN * (seen - self.chars_per_token)
+                self.density.append(min(LEAST_DENSE, max(MOST_DENSE, seen)))
+                self.chars_per_token = statistics.median(self.density)
         elif isinstance(event, (Piece, ToolCall)):
             if not flight.shown:
                 self.metrics.ttft.observe(now - req.arrived)
@@ -443,11 +459,13 @@ class Service:
             req.chunks.put(event)
         elif isinstance(event, Counted):
             del self.inflight[req.id]
+            req.let_go()
             req.result = {"prompt_tokens": event.prompt_tokens}
             req.chunks.put(END)
             self.metrics.finished(200)
         elif isinstance(event, Stats):
             del self.inflight[req.id]
+            req.let_go()
             req.result = to_dict(event)
             if req.handed and "handoff_n" in req.result.get("timings", {}):
                 req.result["timings"].update(req.handed)  # which group prefilled it
@@ -508,6 +526,7 @@ class Service:
                 self.refuse(req, RequestError(502, f"the prefill group failed: {why}"))
                 continue
             req.failures_seen += 1
+            req.let_go()  # its KV went to ranks that are gone, or it ends here
             if req.stream and flight.shown:
                 message = f"the answer was cut: {why}; the ranks restart; send the request again"
                 req.chunks.put(self.public(RequestError(502, message, "server_error")))
@@ -614,6 +633,7 @@ class Service:
             self.outbox.put(json.dumps(message).encode() + b"\n")
 
     def refuse(self, req: ApiRequest, e: RequestError) -> None:
+        req.let_go()
         if req.on_handed is not None:  # a handoff that will not come: told to its decode group
             req.on_handed(Handed(req.id, "", 0, 0, 0.0, str(e)))
         req.chunks.put(self.public(e))

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from cluster.core.grammar import Failures, digest
+from cluster.core.handoff import tokens_digest
 from cluster.core.modelcheck import model_id
 from cluster.core.prefix import prefix_chain
 from cluster.core.protocol import (
@@ -40,6 +41,7 @@ from cluster.core.protocol import (
     Admitted,
     Cached,
     Counted,
+    Forgot,
     Handed,
     Memory,
     Notice,
@@ -51,6 +53,7 @@ from cluster.core.protocol import (
 )
 from cluster.core.spec import (
     Adopt,
+    Expect,
     Grammar,
     JobSpec,
     Order,
@@ -100,7 +103,9 @@ class Inbox:
                  failed: Callable[[str, str], None] = lambda request, why: None):  # fmt: skip
         self.flights: queue.Queue[Flight | None] = queue.Queue()  # prepared; None wakes the loop
         self.known: dict[str, Flight] = {}  # not yet ended, by id
-        self.handoffs_failed: set[str] = set()  # tickets whose KV will not come (issue 53)
+        # tickets whose KV will not come (issue 53), with when that came: a line may come before
+        # its request does; kept HANDOFF_WAIT_S (the next such line prunes older ones)
+        self.handoffs_failed: dict[str, float] = {}
         self.draining = threading.Event()
         self.prepared_all = threading.Event()  # every request before the drain is in ``flights``
         self.log = log
@@ -151,7 +156,11 @@ class Inbox:
                     flight.cancel.set()
                 return
             if message.get("op") == "handoff_failed":  # its prompt is prefilled here instead
-                self.handoffs_failed.add(str(message["ticket"]))
+                now = time.monotonic()
+                for ticket, at in list(self.handoffs_failed.items()):  # its request never came
+                    if now - at > HANDOFF_WAIT_S:
+                        self.handoffs_failed.pop(ticket, None)
+                self.handoffs_failed[str(message["ticket"])[:64]] = now
                 return
             request = from_dict(ServeRequest, message["request"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -323,8 +332,9 @@ class Scheduler:
         self.role = role
         self.prefills: deque[Flight] = deque()
         self.awaiting: dict[str, tuple[Flight, SharedRequest, float]] = {}
-        self.expecting: list[str] = []
+        self.expecting: list[Expect] = []
         self.handed_now: list[str] = []
+        self.failed_now: list[str] = []  # tickets some rank's door failed (agree_handed)
         self.adopted: dict[str, dict] = {}  # ticket -> its figures, until its answer ends
         self.rests = rests  # idle: every rank rests (Order.rest) instead of pinging
         self.tokenizer = tokenizer
@@ -419,8 +429,17 @@ class Scheduler:
         if handoff is not None and self.role == "prefill":
             self.prefills.append(flight)
         elif handoff is not None and self.role == "decode" and self.batched:
+            why = None
+            if handoff.doors:
+                why = "a prefill group's copy of a request came to a decode group"
+            elif handoff.ticket in self.awaiting or handoff.ticket in self.adopted:
+                why = f"handoff ticket {handoff.ticket} is already waiting here"
+            if why is not None:  # the launcher's fault: this request fails alone
+                self.emit(Refused(flight.request.id, 500, why))
+                self.inbox.ended(flight)
+                return
             self.awaiting[handoff.ticket] = (flight, flight.shared, time.monotonic())
-            self.expecting.append(handoff.ticket)
+            self.expecting.append(Expect(handoff.ticket, tokens_digest(flight.shared.tokens[:-1])))
         else:
             self.waiting.append((flight, flight.shared))
 
@@ -511,24 +530,36 @@ class Scheduler:
             return
         from node.rank.handoff import heard
 
-        order.expect, self.expecting = self.expecting, []
-        now = time.monotonic()
         failed = self.inbox.handoffs_failed
+        now = time.monotonic()
+
+        order.expect, self.expecting = self.expecting, []
         for ticket in self.handed_now:
             flight, shared, _ = self.awaiting.pop(ticket)
             order.adopt.append(Adopt(ticket, shared.cache_key))
             self.waiting.appendleft((flight, shared))
         self.handed_now = []
+        refused, self.failed_now = set(self.failed_now), []
         for ticket, (flight, shared, since) in list(self.awaiting.items()):
             quiet = now - max(since, heard(ticket) or since)
-            if flight.cancel.is_set() or ticket in failed or quiet > HANDOFF_WAIT_S:
-                del self.awaiting[ticket]
-                failed.discard(ticket)
-                order.forget.append(ticket)
-                if flight.cancel.is_set():
-                    self.inbox.ended(flight)
-                else:
-                    self.waiting.append((flight, shared))
+            if flight.cancel.is_set():
+                why = "cancelled"
+            elif ticket in failed:
+                why = "the prefill group failed"
+            elif ticket in refused:
+                why = "a rank's door refused what came"
+            elif quiet > HANDOFF_WAIT_S:
+                why = f"nothing came for {HANDOFF_WAIT_S:g} s"
+            else:
+                continue
+            del self.awaiting[ticket]
+            failed.pop(ticket, None)
+            order.forget.append(ticket)
+            self.emit(Forgot(flight.request.id, ticket, why))
+            if flight.cancel.is_set():
+                self.inbox.ended(flight)
+            else:
+                self.waiting.append((flight, shared))
 
     def announce(self, order: Order) -> None:
         """Requests with a grammar go to every rank's Compiling first (``order.compile``),
@@ -884,7 +915,7 @@ def run_serve(job: Job) -> None:
         nonlocal memory_at
         memory_at = time.monotonic()
         io = (None, None) if disk is None else (disk.stats.bytes_read, disk.stats.bytes_written)
-        emit(Memory(mx.get_peak_memory() / 1e9, *io))
+        emit(Memory(mx.get_peak_memory() / 1e9, io[0], io[1], handoff.held_bytes()))
 
     while True:
         progress.tick()  # a round, or an idle ping every PING_S: all ranks met
@@ -895,9 +926,9 @@ def run_serve(job: Job) -> None:
             if scheduler is not None:
                 scheduler.compiled(built)
         if handoff.PENDING:  # the same on every rank too
-            done = handoff.agree_handed(group, wait=0.0 if live else 0.02)
+            done, failed = handoff.agree_handed(group, wait=0.0 if live else 0.02)
             if scheduler is not None:
-                scheduler.handed_now = done
+                scheduler.handed_now, scheduler.failed_now = done, failed
         order = scheduler.order(live) if scheduler is not None else None
         if scheduler is not None and batch is not None:
             joining = [len(r.tokens) for r in order.insert] if order is not None else []

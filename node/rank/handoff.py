@@ -15,6 +15,7 @@ that died, a count that differs leave the ticket incomplete, and it is never use
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -31,21 +32,34 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from cluster.core.handoff import Layout, Piece
+from cluster.core.handoff import Layout, Piece, tokens_digest
+from cluster.core.spec import Expect
 
 HEADER = struct.Struct("!I")
 MOST_HEADER = 1 << 16  # bytes of one frame's JSON header
+MOST_TOKENS = 1 << 22  # tokens of one handed-off prompt
+MOST_HEAD_DIM = 1024
+MOST_TICKET = 64  # characters of a ticket
 CHALLENGE = 32
-PROOF = b"mlx-cluster handoff"
+SENDER_PROOF, DOOR_PROOF = b"mlx-cluster handoff sender", b"mlx-cluster handoff door"
 DTYPES = {"bfloat16": (mx.bfloat16, np.uint16), "float16": (mx.float16, np.float16),
           "float32": (mx.float32, np.float32)}  # fmt: skip
 MOST_QUEUED = 256 << 20  # bytes a sender holds for its links before the prefill waits
 MOST_AGE_S = 600.0  # a ticket no one took this long after its last frame is dropped
 QUIET_S = 120.0  # a handoff from which nothing came this long is given up (and its link)
+PROOF_S = 5.0  # the whole proof, both ways, from the door's accept
+MOST_UNPROVEN = 16  # connections proving themselves at once; the door closes newer ones
+SEND_S = 60.0  # a sender's every read and send (a door that stops reading is given up)
+CONNECT_S = 30.0  # a sender's tries to get through a crowded door
+PRUNE_EVERY_S = 5.0  # the door's timer: tickets no one took, old tombstones
+DOOR_SHARE = 0.25  # of the memory a decode rank has left after loading: what its door may hold
+BUSY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}  # accept() may recover
 
 
-def proof(key: bytes, challenge: bytes) -> bytes:
-    return hmac.new(key, PROOF + challenge, hashlib.sha256).digest()
+def proof(key: bytes, challenge: bytes, label: bytes = SENDER_PROOF) -> bytes:
+    """The HMAC one side of a link answers the other's challenge with (each side its own
+    label, so neither's answer can be reflected back as the other's)."""
+    return hmac.new(key, label + challenge, hashlib.sha256).digest()
 
 
 def to_bytes(a: mx.array) -> tuple[str, bytes]:
@@ -67,15 +81,20 @@ def to_mlx(a: np.ndarray, name: str) -> mx.array:
     return out.view(DTYPES[name][0]) if name == "bfloat16" else out
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """``n`` bytes, or EOFError when the peer closed first."""
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes, or EOFError when the peer closed first; with ``deadline``
+    (time.monotonic), TimeoutError once it passes, however the bytes trickle in."""
     out = bytearray(n)
     view, got = memoryview(out), 0
     while got < n:
+        if deadline is not None:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise EOFError("the link closed mid-frame")
         got += k
+        if deadline is not None and got < n and time.monotonic() >= deadline:
+            raise TimeoutError("too slow")
     return bytes(out)
 
 
@@ -90,17 +109,76 @@ def send_frame(sock: socket.socket, header: dict, payload: Iterable[bytes] = ())
     return sent
 
 
-def read_frame(sock: socket.socket) -> tuple[dict, bytes]:
+def read_header(sock: socket.socket) -> dict:
     (n,) = HEADER.unpack(recv_exact(sock, HEADER.size))
     if n > MOST_HEADER:
         raise ValueError(f"a frame header of {n} bytes")
     header = json.loads(recv_exact(sock, n))
     if not isinstance(header, dict):
         raise ValueError("a frame header that is not an object")
+    return header
+
+
+def read_frame(sock: socket.socket) -> tuple[dict, bytes]:
+    """A frame whose header is trusted as to its size (a test's reading of a frame)."""
+    header = read_header(sock)
     size = header.get("nbytes", 0)
     if not isinstance(size, int) or size < 0:
         raise ValueError("a frame with a bad size")
     return header, recv_exact(sock, size) if size else b""
+
+
+def _int(header: dict, name: str, low: int, high: int) -> int:
+    value = header.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"field {name!r} is {value!r}, not an integer in [{low}, {high}]")
+    return value
+
+
+def check_frame(header: dict, layout: Layout, head_dim: int | None) -> int:
+    """The payload's bytes a frame's header announces, once the header fits the receiving
+    rank's layout: its layer, the heads' places, the tokens' span, the dtype, the shape and
+    the size agree (ValueError naming the field otherwise). Nothing is allocated before."""
+    ticket = header.get("ticket")
+    if not isinstance(ticket, str) or not 0 < len(ticket) <= MOST_TICKET:
+        raise ValueError("a frame without a ticket")
+    _int(header, "sender", 0, 1 << 16)
+    senders = header.get("senders", [])
+    if not isinstance(senders, list) or len(senders) > 1 << 16 or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= 1 << 16
+            for s in senders):  # fmt: skip
+        raise ValueError("field 'senders' is not a list of ranks")
+    nbytes = _int(header, "nbytes", 0, 1 << 40)
+    if header.get("last"):
+        _int(header, "frames", 0, 1 << 30)
+        if nbytes % 4 or not 0 < nbytes // 4 <= MOST_TOKENS:
+            raise ValueError(f"an end frame of {nbytes} bytes is not a prompt's tokens")
+        return nbytes
+    if header.get("layer") not in layout.layers:
+        raise ValueError(f"layer {header.get('layer')!r} is not one this rank holds")
+    place = header.get("place")
+    heads = len(layout.heads)
+    if not isinstance(place, list) or not place or len(set(place)) != len(place) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 <= p < heads
+            for p in place):  # fmt: skip
+        raise ValueError(f"field 'place' is not a list of this rank's {heads} head places")
+    start = _int(header, "start", 0, MOST_TOKENS - 1)
+    stop = _int(header, "stop", start + 1, MOST_TOKENS)
+    dtype = header.get("dtype")
+    if dtype not in DTYPES:
+        raise ValueError(f"field 'dtype' is {dtype!r}, not one of {sorted(DTYPES)}")
+    shape = header.get("shape")
+    dim = head_dim or MOST_HEAD_DIM
+    if (not isinstance(shape, list) or len(shape) != 4
+            or shape[:3] != [1, len(place), stop - start]
+            or not isinstance(shape[3], int) or not 0 < shape[3] <= dim
+            or (head_dim is not None and shape[3] != head_dim)):  # fmt: skip
+        raise ValueError(f"field 'shape' is {shape!r}, not [1, {len(place)}, {stop - start}, "
+                         f"{head_dim or 'the head size'}]")  # fmt: skip
+    size = 2 * np.dtype(DTYPES[dtype][1]).itemsize * int(np.prod(shape))
+    if nbytes != size:
+        raise ValueError(f"field 'nbytes' is {nbytes}, not the {size} its shape takes")
+    return nbytes
 
 
 @dataclass
@@ -114,7 +192,7 @@ class Received:
     frames: dict[int, int] = field(default_factory=dict)  # sender -> frames that came
     chunks: list[tuple[int, tuple[int, ...], int, int, np.ndarray, np.ndarray]] = field(
         default_factory=list)  # (layer, places, start, end, keys, values)  # fmt: skip
-    dtype: str = "float32"  # the arrays' (``DTYPES``)
+    dtype: str | None = None  # the arrays' (``DTYPES``): every frame's alike
     nbytes: int = 0
     began: float = field(default_factory=time.monotonic)
     heard: float = field(default_factory=time.monotonic)  # its last frame
@@ -122,56 +200,134 @@ class Received:
 
 
 class Door:
-    """A decode rank's listener for handoffs (a thread accepting, one per connection)."""
+    """A decode rank's listener for handoffs (a thread accepting, one per connection, a
+    timer pruning).
 
-    def __init__(self, layout: Layout, key: bytes, host: str = "127.0.0.1", port: int = 0):
-        self.layout, self.key = layout, key
-        self.sock = socket.create_server((host, port), reuse_port=False)
+    What it guards against, as a key holder or a stranger might try: a connection must prove
+    the key within PROOF_S (and the door proves it back before any KV comes); at most
+    MOST_UNPROVEN connections prove themselves at once (newer ones are closed at once), and
+    running out of descriptors or threads only pauses the accepting; each frame's header is
+    checked against this rank's layout before a byte of its payload is read; the tickets
+    hold at most ``most_bytes`` together; a ticket dropped (taken elsewhere, forgotten,
+    failed) leaves a tombstone, so its late frames are read past, never kept."""
+
+    def __init__(self, layout: Layout, key: bytes, host: str = "127.0.0.1", port: int = 0,
+                 head_dim: int | None = None, most_bytes: int | None = None,
+                 log: Callable[[str], None] = lambda line: None):  # fmt: skip
+        self.layout, self.key, self.head_dim = layout, key, head_dim
+        self.most_bytes = most_bytes
+        self.log = log
+        self.sock = listen_on(host, port)
         self.port = self.sock.getsockname()[1]
         self.tickets: dict[str, Received] = {}
+        self.tombstones: dict[str, float] = {}  # ticket -> when it was dropped
+        self.held_bytes = 0  # of every ticket's frames
+        self.unproven = 0
         self.lock = threading.Lock()
-        self.closed = False
+        self.closing = threading.Event()
         threading.Thread(target=self._accept, name="handoff-door", daemon=True).start()
+        threading.Thread(target=self._prune_every, name="handoff-prune", daemon=True).start()
+
+    @property
+    def closed(self) -> bool:
+        return self.closing.is_set()
 
     def close(self) -> None:
-        self.closed = True
+        self.closing.set()
         self.sock.close()
 
     def _accept(self) -> None:
+        pause = 0.0
         while not self.closed:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            except OSError as e:
+                if self.closed or e.errno in (errno.EBADF, errno.EINVAL):
+                    return
+                pause = min(1.0, max(0.05, pause * 2))
+                if e.errno in BUSY:  # descriptors or buffers run out: wait, then go on
+                    self.log(f"handoff door: cannot accept ({e.strerror}); trying again")
+                self.closing.wait(pause)
+                continue
+            pause = 0.0
+            with self.lock:
+                crowded = self.unproven >= MOST_UNPROVEN
+                if not crowded:
+                    self.unproven += 1
+            if crowded:  # the newest goes: those before it are nearer their proof
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: drop it, wait, go on
+                with self.lock:
+                    self.unproven -= 1
+                conn.close()
+                self.log(f"handoff door: cannot start a thread ({e}); trying again")
+                self.closing.wait(0.5)
+
+    def _prove(self, conn: socket.socket) -> bool:
+        """Both sides prove the key, within PROOF_S of the accept."""
+        deadline = time.monotonic() + PROOF_S
+        try:
+            challenge = secrets.token_bytes(CHALLENGE)
+            conn.settimeout(PROOF_S)
+            conn.sendall(challenge)
+            answer = recv_exact(conn, 32 + CHALLENGE, deadline)
+            if not hmac.compare_digest(answer[:32], proof(self.key, challenge)):
+                return False  # not one of ours: nothing it sent is read
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
+            conn.sendall(proof(self.key, answer[32:] + challenge, DOOR_PROOF))
+            return True
+        except (OSError, EOFError):
+            return False
+        finally:
+            with self.lock:
+                self.unproven -= 1
 
     def _serve(self, conn: socket.socket) -> None:
         ticket = None
         try:
             with conn:
+                if not self._prove(conn):
+                    return
                 conn.settimeout(QUIET_S)  # a sender silent this long is not coming back
-                challenge = secrets.token_bytes(CHALLENGE)
-                conn.sendall(challenge)
-                if not hmac.compare_digest(recv_exact(conn, 32), proof(self.key, challenge)):
-                    return  # not one of ours: nothing it sent is read
                 while True:
-                    header, payload = read_frame(conn)
-                    ticket = header.get("ticket")
-                    if not isinstance(ticket, str):
-                        raise ValueError("a frame without a ticket")
-                    self._take(ticket, header, payload)
+                    header = read_header(conn)
+                    named = header.get("ticket")
+                    ticket = named if isinstance(named, str) and named else None
+                    nbytes = check_frame(header, self.layout, self.head_dim)
+                    ticket = header["ticket"]
+                    if not self._room(ticket, header, nbytes):
+                        skip(conn, nbytes)  # a ticket dropped here: its late frames go by
+                        continue
+                    self._take(ticket, header, recv_exact(conn, nbytes) if nbytes else b"")
         except EOFError:
             pass  # between frames: the sender is done with this link
         except (OSError, ValueError, KeyError, TypeError) as e:
             if ticket is not None:
                 self.fail(ticket, f"a handoff frame could not be read ({e})")
 
+    def _room(self, ticket: str, header: dict, nbytes: int) -> bool:
+        """Whether this frame's payload is to be kept: not for a dropped or failed ticket;
+        one that would take the door past its bytes fails its ticket (ValueError)."""
+        with self.lock:
+            if ticket in self.tombstones:
+                return False
+            got = self.tickets.get(ticket)
+            if got is not None and got.failed:
+                return False
+            if header.get("last"):
+                return True
+            if self.most_bytes is not None and self.held_bytes + nbytes > self.most_bytes:
+                raise ValueError(f"{nbytes} more bytes would take the door past its "
+                                 f"{self.most_bytes} (a share of this rank's memory)")  # fmt: skip
+            return True
+
     def _take(self, ticket: str, header: dict, payload: bytes) -> None:
         with self.lock:
-            if ticket not in self.tickets:  # and those no one took: their requests went away
-                now = time.monotonic()
-                for t in [t for t, r in self.tickets.items() if now - r.heard > MOST_AGE_S]:
-                    del self.tickets[t]
+            if ticket in self.tombstones:
+                return
             got = self.tickets.setdefault(ticket, Received())
             if got.failed:
                 return
@@ -180,19 +336,32 @@ class Door:
             got.expected.update(int(s) for s in header.get("senders", []))
             if header.get("last"):
                 got.ended[sender] = int(header["frames"])
-                got.tokens = np.frombuffer(payload, dtype="<i4").tolist()
-                got.total = len(got.tokens)
+                tokens = np.frombuffer(payload, dtype="<i4").tolist()
+                if got.tokens is not None and got.tokens != tokens:
+                    self._fail(got, "the senders' end frames name different tokens")
+                    return
+                got.tokens, got.total = tokens, len(tokens)
                 return
-            got.frames[sender] = got.frames.get(sender, 0) + 1
-        name, shape = header["dtype"], list(header["shape"])
-        half, view = len(payload) // 2, memoryview(payload)
-        keys = from_bytes(view[:half], name, shape)
-        values = from_bytes(view[half:], name, shape)
-        with self.lock:
+            name, shape = header["dtype"], list(header["shape"])
+            if got.dtype is not None and name != got.dtype:
+                self._fail(got, f"a frame of {name} in a handoff of {got.dtype}")
+                return
             got.dtype = name
+            got.frames[sender] = got.frames.get(sender, 0) + 1
+            half, view = len(payload) // 2, memoryview(payload)
+            keys = from_bytes(view[:half], name, shape)
+            values = from_bytes(view[half:], name, shape)
             span = int(header["start"]), int(header["stop"])
             got.chunks.append((int(header["layer"]), tuple(header["place"]), *span, keys, values))
             got.nbytes += len(payload)
+            self.held_bytes += len(payload)
+
+    def _fail(self, got: Received, why: str) -> None:
+        """(Under the lock.) The ticket is given up: its bytes go now, its record stays to
+        say why."""
+        got.failed = got.failed or why
+        self.held_bytes -= got.nbytes
+        got.chunks, got.nbytes = [], 0
 
     def heard(self, ticket: str) -> float | None:
         """When this ticket's last frame came (time.monotonic), None before its first."""
@@ -202,11 +371,13 @@ class Door:
 
     def fail(self, ticket: str, why: str) -> None:
         with self.lock:
-            self.tickets.setdefault(ticket, Received()).failed = why
+            if ticket not in self.tombstones and len(ticket) <= MOST_TICKET:
+                self._fail(self.tickets.setdefault(ticket, Received()), why)
 
-    def complete(self, ticket: str) -> bool:
-        """Whether every sender ended the ticket, every frame came and every layer's every
-        head covers the prompt's every token."""
+    def complete(self, ticket: str, tokens: str | None = None) -> bool:
+        """Whether every sender ended the ticket, every frame came, every layer's every head
+        covers the prompt's every token, and (``tokens``: the digest of the prompt the
+        waiting request has, ``tokens_digest``) the end frames name that prompt."""
         with self.lock:
             got = self.tickets.get(ticket)
             if got is None or got.failed or not got.expected:
@@ -214,6 +385,9 @@ class Door:
             if set(got.ended) != got.expected or any(
                 got.frames.get(s, 0) != n for s, n in got.ended.items()
             ):
+                return False
+            if tokens is not None and tokens_digest(got.tokens or []) != tokens:
+                self._fail(got, "the handed-off tokens are not the waiting request's prompt")
                 return False
             return covered(got, self.layout)
 
@@ -223,13 +397,47 @@ class Door:
             return got.failed if got is not None else None
 
     def take(self, ticket: str) -> Received:
-        """A complete ticket's frames, forgotten here."""
+        """A complete ticket's frames, forgotten here (its late frames too)."""
         with self.lock:
-            return self.tickets.pop(ticket)
+            got = self.tickets.pop(ticket)
+            self.held_bytes -= got.nbytes
+            self.tombstones[ticket] = time.monotonic()
+            return got
 
     def drop(self, ticket: str) -> None:
+        """Forget a ticket and whatever of it comes later."""
         with self.lock:
-            self.tickets.pop(ticket, None)
+            got = self.tickets.pop(ticket, None)
+            if got is not None:
+                self.held_bytes -= got.nbytes
+            self.tombstones[ticket] = time.monotonic()
+
+    def prune(self, now: float) -> None:
+        """Tickets no one took MOST_AGE_S after their last frame are dropped; tombstones
+        are kept as long (a sender quiet longer lost its link: QUIET_S)."""
+        with self.lock:
+            for t in [t for t, r in self.tickets.items() if now - r.heard > MOST_AGE_S]:
+                self.held_bytes -= self.tickets.pop(t).nbytes
+                self.tombstones[t] = now
+            for t in [t for t, at in self.tombstones.items() if now - at > MOST_AGE_S]:
+                del self.tombstones[t]
+
+    def _prune_every(self) -> None:
+        while not self.closing.wait(PRUNE_EVERY_S):
+            self.prune(time.monotonic())
+
+
+def listen_on(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host`` (an IPv4 or IPv6 address, or a name), ``port``."""
+    host = host.strip("[]")
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    return socket.create_server(address[:2], family=family, backlog=128)
+
+
+def skip(sock: socket.socket, n: int) -> None:
+    """Read ``n`` bytes past, a bounded buffer at a time."""
+    while n > 0:
+        n -= len(recv_exact(sock, min(n, 1 << 20)))
 
 
 def covered(got: Received, layout: Layout) -> bool:
@@ -264,8 +472,47 @@ def layer_arrays(got: Received, layout: Layout) -> dict[int, tuple[mx.array, mx.
         for _, places, start, stop, k, v in mine:
             keys[:, list(places), start:stop] = k
             values[:, list(places), start:stop] = v
-        out[layer] = (to_mlx(keys, got.dtype), to_mlx(values, got.dtype))
+        out[layer] = (to_mlx(keys, got.dtype or "float32"), to_mlx(values, got.dtype or "float32"))
     return out
+
+
+def connect(door: tuple[str, int], key: bytes) -> socket.socket:
+    """A proven link to a decode rank's door: the door proves the key to us too before any KV
+    goes. A crowded door closes newer links before its challenge: tried again for CONNECT_S;
+    every read and send after has SEND_S. OSError or ValueError says why not."""
+    host, port = door
+    deadline = time.monotonic() + CONNECT_S
+    pause = 0.05
+    while True:
+        try:  # a full listen queue drops our SYN: the kernel sends it again, we wait
+            sock = socket.create_connection(
+                (host.strip("[]"), port), timeout=max(0.1, deadline - time.monotonic())
+            )
+        except TimeoutError:
+            raise OSError(f"the door at {host}:{port} did not answer in {CONNECT_S:g} s") from None
+        try:
+            try:
+                challenge = recv_exact(sock, CHALLENGE, time.monotonic() + PROOF_S)
+            except (EOFError, ConnectionResetError):
+                if time.monotonic() + pause >= deadline:
+                    raise OSError(f"the door at {host}:{port} stayed crowded") from None
+                sock.close()
+                time.sleep(pause)  # a crowded door: its unproven links go within PROOF_S
+                pause = min(1.0, pause * 2)
+                continue
+            mine = secrets.token_bytes(CHALLENGE)
+            sock.settimeout(PROOF_S)
+            sock.sendall(proof(key, challenge) + mine)
+            answer = recv_exact(sock, 32, time.monotonic() + PROOF_S)
+            if not hmac.compare_digest(answer, proof(key, mine + challenge, DOOR_PROOF)):
+                raise ValueError(f"the door at {host}:{port} did not prove the serve's key")
+            sock.settimeout(SEND_S)
+            return sock
+        except (OSError, EOFError, ValueError) as e:
+            sock.close()
+            if isinstance(e, ValueError):
+                raise
+            raise OSError(f"the door at {host}:{port} refused the link ({e})") from None
 
 
 class Sender:
@@ -292,11 +539,7 @@ class Sender:
 
     def _connect(self, r: int) -> socket.socket:
         if r not in self.socks:
-            host, port = self.doors[r]
-            sock = socket.create_connection((host, port), timeout=30)
-            sock.settimeout(None)
-            sock.sendall(proof(self.key, recv_exact(sock, CHALLENGE)))
-            self.socks[r] = sock
+            self.socks[r] = connect(self.doors[r], self.key)
         return self.socks[r]
 
     def chunk(self, ticket: str, start: int, end: int,
@@ -374,7 +617,7 @@ def fill_cache(cache: list, slots: dict[int, int], arrays: dict[int, Any]) -> li
 # A rank's side of handoffs in serve (issue 53): a decode rank's door, the tickets every
 # rank of its group expects (in the order rank 0's orders named them, the same everywhere).
 DOOR: Door | None = None
-PENDING: list[str] = []
+PENDING: dict[str, str] = {}  # ticket -> the digest of the tokens it must hold
 
 
 def rank_layouts(loaded, mode: str, world: int, split, weights) -> list[Layout]:
@@ -400,14 +643,24 @@ def cache_slots(cache: list, layout: Layout) -> dict[int, int]:
     return slots
 
 
-def open_door(loaded, spec, rank: int) -> int:
-    """A decode rank's door, on its address; its port (the launcher tells prefill groups)."""
+def open_door(loaded, spec, rank: int, log: Callable[[str], None] = lambda line: None) -> int:
+    """A decode rank's door, on its address; its port (the launcher tells prefill groups).
+    It holds at most DOOR_SHARE of the memory the rank has left once loaded."""
     from mlx_lm.models.cache import make_prompt_cache
+
+    from cluster.core.modelcheck import text_config
+    from node.rank.memory import memory_left
 
     global DOOR
     layout = rank_layouts(loaded, spec.mode, spec.world_size, spec.split, spec.split_weights)[rank]
     cache_slots(make_prompt_cache(loaded.model), layout)  # a cache that can take KV, or why not
-    DOOR = Door(layout, bytes.fromhex(spec.handoff.key), spec.handoff.host)
+    text = text_config(loaded.config)
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    head_dim = text.get("head_dim") or (hidden // heads if heads and hidden else None)
+    most = int(memory_left(spec.ranks_on_host) * DOOR_SHARE)
+    DOOR = Door(layout, bytes.fromhex(spec.handoff.key), spec.handoff.host,
+                head_dim=head_dim if isinstance(head_dim, int) else None, most_bytes=most,
+                log=log)  # fmt: skip
     return DOOR.port
 
 
@@ -417,36 +670,56 @@ def heard(ticket: str) -> float | None:
     return None if DOOR is None else DOOR.heard(ticket)
 
 
-def expect(tickets: list[str]) -> None:
-    PENDING.extend(t for t in tickets if t not in PENDING)
+def held_bytes() -> int | None:
+    """Bytes of handed-off KV this rank's door holds now (None: no door)."""
+    return None if DOOR is None else DOOR.held_bytes
+
+
+def expect(tickets: list[Expect]) -> None:
+    for e in tickets:
+        PENDING.setdefault(e.ticket, e.tokens)
 
 
 def forget(tickets: list[str]) -> None:
     for t in tickets:
-        if t in PENDING:
-            PENDING.remove(t)
+        PENDING.pop(t, None)
         if DOOR is not None:
             DOOR.drop(t)
 
 
-def agree_handed(group, wait: float) -> list[str]:
-    """Every rank at once: the pending tickets every rank holds whole (one all_sum of a flag
-    per ticket); ``wait``: how long a rank with nothing to decode waits for them first."""
+FAILED_FLAG = 1 << 16  # a rank's flag for a ticket its door failed (any rank's: all see it)
+
+
+def agree_handed(group, wait: float) -> tuple[list[str], list[str]]:
+    """Every rank at once: (the pending tickets every rank holds whole, those some rank's
+    door failed: the KV of another prompt, a bad frame, past its bytes), one all_sum of a
+    flag per ticket; ``wait``: how long a rank with nothing to decode waits for them first."""
     from node.rank.dist import control_stream
     from node.rank.numbers import host_ints
 
     door = DOOR
+
+    def flag(ticket: str, tokens: str) -> int:
+        if door is None:
+            return 0
+        if door.complete(ticket, tokens):
+            return 1
+        return FAILED_FLAG if door.failed(ticket) else 0
+
     deadline = time.monotonic() + wait
     while True:
-        flags = [door is not None and door.complete(t) for t in PENDING]
+        flags = [flag(t, d) for t, d in PENDING.items()]
         if all(flags) or time.monotonic() >= deadline:
             break
         time.sleep(0.002)
-    if group is None or group.size() == 1:
-        return [t for t, done in zip(PENDING, flags, strict=True) if done]
-    counts = mx.distributed.all_sum(mx.array(flags, dtype=mx.int32), group=group,
-                                    stream=control_stream())  # fmt: skip
-    return [t for t, n in zip(PENDING, host_ints(counts), strict=True) if n == group.size()]
+    size = 1 if group is None else group.size()
+    if size > 1:
+        counts = mx.distributed.all_sum(mx.array(flags, dtype=mx.int32), group=group,
+                                        stream=control_stream())  # fmt: skip
+        flags = host_ints(counts)
+    done = [t for t, n in zip(PENDING, flags, strict=True) if n == size]
+    failed = [t for t, n in zip(PENDING, flags, strict=True) if n >= FAILED_FLAG]
+    return done, failed
 
 
 def adopted_cache(ticket: str, model) -> tuple[Received, list]:
@@ -456,7 +729,7 @@ def adopted_cache(ticket: str, model) -> tuple[Received, list]:
     if DOOR is None:
         raise RuntimeError("a handoff adopted on a rank without a door")
     got = DOOR.take(ticket)
-    PENDING.remove(ticket)
+    PENDING.pop(ticket, None)
     cache = make_prompt_cache(model)
     fill_cache(cache, cache_slots(cache, DOOR.layout), layer_arrays(got, DOOR.layout))
     return got, cache

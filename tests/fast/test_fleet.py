@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import io
 import json
+from collections import Counter
 
 import pytest
 
 from cluster.core.hostfile import HostfileError, hostfile_data, local_hostfile, parse_hostfile
-from cluster.core.prefix import longest_held, prefix_chain
-from cluster.core.protocol import Admitted, Cached, Serving
+from cluster.core.prefix import MESSAGE_CHARS, longest_held, prefix_chain
+from cluster.core.protocol import Admitted, Cached, Serving, Stats
 from cluster.core.spec import JobSpec, KVQuant, LaunchSettings, ServeSettings
 from cluster.job.launcher import LaunchError
 from cluster.job.state import JobState, RankState
@@ -303,6 +304,55 @@ def test_the_router_learns_the_models_characters_per_token_from_rank0():
     assert f.to_prefill(req, g) == pytest.approx(req.chain[-1].chars / 2, abs=5)
 
 
+def test_one_request_cannot_steer_the_router():
+    """A request with a 300k-character ``name`` (a field chat templates drop): its chain counts
+    what the template writes, so rank 0's count of it is an ordinary sample; and a sample far
+    off (a tokenizer's odd case) is held to a range and outvoted by the median. Bursts of 8
+    stay spread over the two groups after it (before: 0/8, 1/7)."""
+    f, groups, sent = fleet()
+    normal = "word " * 600
+    for g in groups:  # each group has counted a few prompts: 4 characters a token
+        for i in range(8):
+            req = asking(messages=[{"role": "user", "content": normal + str(i)}])
+            req.chain = prefix_chain(req.request)
+            g.submit(req)
+            g.on_event(0, Admitted(request=req.id, prompt_tokens=req.chain[-1].chars // 4,
+                                   cached_tokens=0))  # fmt: skip
+            g.on_event(0, Stats("stop", {}, {}, request=req.id))
+    poisoned = asking(messages=[{"role": "user", "content": "hi", "name": "n" * 300_000}])
+    assert poisoned.request.messages[0]["name"] and prefix_chain(poisoned.request)[-1].chars < 20
+    f.submit(poisoned)
+    g = groups[poisoned.group]
+    g.on_event(0, Admitted(request=poisoned.id, prompt_tokens=1, cached_tokens=0))
+    assert g.chars_per_token == pytest.approx(4.0, rel=0.01)
+    for _ in range(3):  # even three absurd counts in a row: held to a range, outvoted
+        g.on_event(0, Admitted(request=poisoned.id, prompt_tokens=10**9, cached_tokens=0))
+    assert min(g.density) == 0.5 and g.chars_per_token == pytest.approx(4.0, rel=0.01)
+    g.on_event(0, Stats("stop", {}, {}, request=poisoned.id))
+    for _ in range(3):
+        burst = [asking(messages=[{"role": "user", "content": normal}]) for _ in range(8)]
+        for req in burst:
+            f.submit(req)
+        assert sorted(Counter(r.group for r in burst).values()) == [4, 4]
+        for req in burst:
+            groups[req.group].on_event(0, Stats("stop", {}, {}, request=req.id))
+
+
+def test_the_router_counts_the_tools_and_not_the_fields_templates_drop():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    plain = asking(messages=[{"role": "user", "content": "x" * 100}]).request
+    with_tools = asking(messages=plain.messages, tools=tools).request
+    thinking = asking(messages=[{"role": "user", "content": "x" * 100},
+                                {"role": "assistant", "content": "ok",
+                                 "reasoning_content": "r" * 5000}]).request  # fmt: skip
+    assert prefix_chain(plain)[-1].chars == 100 + MESSAGE_CHARS
+    assert prefix_chain(with_tools)[0].chars == len(json.dumps(tools, separators=(",", ":")))
+    assert prefix_chain(with_tools)[-1].chars == prefix_chain(plain)[-1].chars + len(
+        json.dumps(tools, separators=(",", ":"))
+    )
+    assert prefix_chain(thinking)[-1].chars == 102 + 2 * MESSAGE_CHARS
+
+
 def test_a_restart_forgets_the_memory_tiers_prefixes_but_not_the_disk_tiers():
     told: list[Cached] = []
     prefixes = CachedPrefixes(told.append)
@@ -338,9 +388,9 @@ def test_a_hostfiles_groups_survive_being_written_back():
     assert again.groups == hf.groups
 
 
-def test_a_client_that_leaves_takes_its_prefill_groups_copy_with_it():
-    """A request handed to a prefill group (issue 53) whose client goes away: the decode group
-    drops it and the prefill group is told to drop its copy (counted once in /metrics)."""
+def split_fleet():
+    """A prefill group (0) and a decode group (1) of one rank each, ready, the decode rank's
+    door open; (fleet, services, metrics, what each group's rank 0 was sent)."""
     from cluster.core.spec import Handoff
 
     metrics = Metrics(lambda: [], groups=lambda: [])
@@ -356,23 +406,80 @@ def test_a_client_that_leaves_takes_its_prefill_groups_copy_with_it():
         s.attach(out.append, JobState([RankState(0, "localhost")]))
         s.on_event(0, Serving("m", True))
     services[1].doors = {0: 5555}  # the decode rank's door is open
-    f = Fleet(services, metrics)
+    return Fleet(services, metrics), services, metrics, sent
+
+
+def handed_off(f, sent):
+    """A long prompt submitted: (the client's request, its copy's id at the prefill group)."""
     req = request(False, messages=[{"role": "user", "content": "x" * 4000}])
     f.submit(req)
     assert req.group == 1 and req.request.handoff is not None
-    prefiller, copy = req.prefill_copy
-    assert prefiller is services[0]
     wait_for(lambda: len(sent[0]) == 1 and len(sent[1]) == 1, timeout=10)  # the outboxes
-    assert json.loads(sent[0][0])["request"]["id"] == copy.id
+    copy = json.loads(sent[0][0])["request"]
+    assert copy["handoff"]["ticket"] == req.request.handoff.ticket and copy["id"] != req.id
+    return req, copy["id"]
+
+
+def test_a_client_that_leaves_takes_its_prefill_groups_copy_with_it():
+    """A request handed to a prefill group (issue 53) whose client goes away: the decode group
+    drops it and the prefill group is told to drop its copy (counted once in /metrics)."""
+    f, services, metrics, sent = split_fleet()
+    req, copy = handed_off(f, sent)
     f.cancel(req)
     wait_for(lambda: len(sent[0]) == 2 and len(sent[1]) == 2, timeout=10)
-    assert json.loads(sent[0][1]) == {"op": "cancel", "id": copy.id}
+    assert json.loads(sent[0][1]) == {"op": "cancel", "id": copy}
     assert json.loads(sent[1][1]) == {"op": "cancel", "id": req.id}
     assert metrics.requests.labels(status="cancelled")._value.get() == 1
     # the prefill group, already under way, stops at a chunk's end and says so: no failure
     # is logged and the decode group (which forgot the request) is told nothing more
     from cluster.core.protocol import CANCELLED, Handed
 
-    copy.on_handed(Handed(copy.id, req.request.handoff.ticket, 0, 100, 0.1, CANCELLED))
+    services[0].on_event(0, Handed(copy, req.request.handoff.ticket, 0, 100, 0.1, CANCELLED))
     assert "a handoff failed" not in services[0].stderr.getvalue()
     assert len(sent[1]) == 2 and metrics.handoffs.labels(group="0")._value.get() == 0
+
+
+@pytest.mark.parametrize("end", ["forgot", "answered", "refused", "ranks failed"])
+def test_a_handoff_the_decode_group_no_longer_wants_is_cancelled_at_the_prefill_group(end):
+    """Whenever the client's request stops waiting for its KV (the decode group forgot the
+    ticket, the answer came, a refusal, the decode group's ranks failed), the prefill group
+    is told to drop its copy at once: nothing is prefilled and sent that no one takes."""
+    from cluster.core.protocol import Forgot, Refused, Stats
+
+    f, services, metrics, sent = split_fleet()
+    req, copy = handed_off(f, sent)
+    ticket = req.request.handoff.ticket
+    decoder = services[1]
+    if end == "forgot":
+        decoder.on_event(0, Forgot(req.id, ticket, "nothing came for 120 s"))
+        assert "its prefill group's copy is cancelled" in decoder.stderr.getvalue()
+    elif end == "answered":
+        decoder.on_event(0, Stats("stop", {}, {}, request=req.id))
+    elif end == "refused":
+        decoder.on_event(0, Refused(req.id, 400, "too long"))
+    else:
+        decoder.job_ended(LaunchError("rank 0 died"))
+    wait_for(lambda: len(sent[0]) == 2, timeout=10)
+    assert json.loads(sent[0][1]) == {"op": "cancel", "id": copy}
+    req.let_go()  # once only
+    assert len(sent[0]) == 2
+
+
+def test_a_prefill_copy_is_never_rerouted_to_a_decode_group():
+    """A prefill group that cannot take the copy waiting for it (it failed, or closes): the
+    copy goes to no other group (a decode group would take it for the client's request, by
+    its ticket); the decode group is told at once that the KV will not come, and prefills
+    the prompt itself."""
+    f, services, metrics, sent = split_fleet()
+    waiting = []
+    services[0].submit = waiting.append  # the copy waits for the prefill group's ranks
+    req = request(False, messages=[{"role": "user", "content": "x" * 4000}])
+    f.submit(req)
+    (copy,) = waiting
+    assert copy.is_prefill_copy and copy.request.handoff.ticket == req.request.handoff.ticket
+    assert f.reroute(services[0], [copy]) == []
+    wait_for(lambda: len(sent[1]) == 2, timeout=10)
+    lines = [json.loads(x) for x in sent[1]]
+    assert lines[0]["request"]["id"] == req.id
+    assert lines[1] == {"op": "handoff_failed", "ticket": req.request.handoff.ticket}
+    assert metrics.routed.labels(group="1", reason="rerouted")._value.get() == 0

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from cluster.core.handoff import Layout, group_layouts, plan_pieces
+from cluster.core.handoff import Layout, group_layouts, plan_pieces, tokens_digest
 from node.rank.handoff import Door, Sender, fill_cache, layer_arrays
 from tests.support.kv import SMALL, TOKENS, next_logits, prefilled, small_llama
 
@@ -150,17 +150,19 @@ def test_a_sender_gone_quiet_mid_frame_fails_its_ticket_and_frees_the_link(monke
     """A prefill host that stops sending (frozen, its link dead without a reset) holds its
     door connection no longer than QUIET_S: the ticket is failed, the reading thread ends."""
     import node.rank.handoff as handoff
-    from node.rank.handoff import proof, send_frame
+    from node.rank.handoff import connect, send_frame
 
     monkeypatch.setattr(handoff, "QUIET_S", 0.3)
     (layout,) = group_layouts(CONFIG, "pipeline", 1)
     door = Door(layout, KEY)
-    with socket.create_connection(("127.0.0.1", door.port)) as s:
-        s.sendall(proof(KEY, s.recv(32)))
+    with connect(("127.0.0.1", door.port), KEY) as s:
         ended = {"ticket": "t1", "sender": 0, "senders": [0], "last": True, "frames": 1,
                  "nbytes": 8}  # fmt: skip
         send_frame(s, ended, [bytes(8)])
-        send_frame(s, {"ticket": "t1", "nbytes": 1000}, [bytes(10)])  # 990 bytes never come
+        frame = {"ticket": "t1", "sender": 0, "senders": [0], "layer": 0, "place": [0],
+                 "start": 0, "stop": 1, "dtype": "float32", "shape": [1, 1, 1, 125],
+                 "nbytes": 1000}  # fmt: skip
+        send_frame(s, frame, [bytes(10)])  # 990 bytes never come
         end = time.monotonic() + 10
         while door.failed("t1") is None and time.monotonic() < end:
             time.sleep(0.01)
@@ -178,7 +180,7 @@ class Inbox:
 
         self.flights = queue.Queue()
         self.prepared_all, self.draining = threading.Event(), threading.Event()
-        self.handoffs_failed: set[str] = set()
+        self.handoffs_failed: dict[str, float] = {}
         self.gone: list[str] = []
 
     def ended(self, flight):
@@ -193,14 +195,21 @@ def scheduler(role: str, emit=lambda e: None):
     return s
 
 
-def flight(rid: str, ticket: str | None, prompt: int = 8):
+def flight(rid: str, ticket: str | None, prompt: int = 8, copy: bool = False):
+    """A prepared request waiting for ``ticket``'s KV (``copy``: a prefill group's copy of
+    it, which names the decode ranks' doors)."""
     import node.jobs.serve as ns
     from cluster.core.spec import HandoffTicket, Sampling, ServeRequest, SharedRequest
 
-    handoff = HandoffTicket(ticket, doors=[["127.0.0.1", 1]]) if ticket else None
+    doors = [["127.0.0.1", 1]] if copy else []
+    handoff = HandoffTicket(ticket, doors=doors) if ticket else None
     f = ns.Flight(ServeRequest(id=rid, kind="completion", sampling=Sampling(), handoff=handoff))
     f.shared = SharedRequest(Sampling(max_tokens=4), list(range(1, prompt + 1)))
     return f
+
+
+def tickets(expect) -> list[str]:
+    return [e.ticket for e in expect]
 
 
 def test_a_decode_group_holds_a_request_until_every_rank_has_its_kv():
@@ -213,7 +222,8 @@ def test_a_decode_group_holds_a_request_until_every_rank_has_its_kv():
     held = flight("a", "t1")
     s.take(held)
     order = s.order(live=0)
-    assert order.expect == ["t1"] and not order.insert and not order.adopt
+    assert tickets(order.expect) == ["t1"] and not order.insert and not order.adopt
+    assert order.expect[0].tokens == tokens_digest(held.shared.tokens[:-1])
     assert s.order(live=0) is None  # waiting: nothing to order
     s.handed_now = ["t1"]
     order = s.order(live=0)
@@ -222,8 +232,8 @@ def test_a_decode_group_holds_a_request_until_every_rank_has_its_kv():
     failed, cancelled = flight("b", "t2"), flight("c", "t3")
     s.take(failed)
     s.take(cancelled)
-    assert s.order(live=1).expect == ["t2", "t3"]
-    s.inbox.handoffs_failed.add("t2")
+    assert tickets(s.order(live=1).expect) == ["t2", "t3"]
+    s.inbox.handoffs_failed["t2"] = time.monotonic()
     cancelled.cancel.set()
     order = s.order(live=1)
     assert order.forget == ["t2", "t3"] and order.insert == [failed.shared]
@@ -238,7 +248,8 @@ def test_a_handoff_not_made_in_time_is_prefilled_here(monkeypatch):
     late = flight("a", "t1")
     s.take(late)
     order = s.order(live=0)
-    assert order.expect == ["t1"] and order.forget == ["t1"] and order.insert == [late.shared]
+    assert tickets(order.expect) == ["t1"] and order.forget == ["t1"]
+    assert order.insert == [late.shared]
 
 
 def test_a_long_handoff_still_sending_is_waited_for(monkeypatch):
@@ -258,7 +269,7 @@ def test_a_long_handoff_still_sending_is_waited_for(monkeypatch):
     s = scheduler("decode")
     long = flight("a", "t1")
     s.take(long)
-    assert s.order(live=1).expect == ["t1"]
+    assert tickets(s.order(live=1).expect) == ["t1"]
     f, shared, since = s.awaiting["t1"]
     s.awaiting["t1"] = (f, shared, since - 10 * ns.HANDOFF_WAIT_S)  # asked long ago
     door.last = time.monotonic()  # a frame just came
@@ -273,7 +284,7 @@ def test_a_prefill_group_prefills_all_but_the_last_token_and_says_so():
 
     events = []
     s = scheduler("prefill", events.append)
-    f = flight("a", "t1", prompt=8)
+    f = flight("a", "t1", prompt=8, copy=True)
     s.take(f)
     order = s.order(live=0)
     assert order.prefill is not None and order.prefill.tokens == list(range(1, 8))
@@ -316,3 +327,46 @@ def test_a_prefill_whose_client_leaves_stops_at_the_chunks_end(model, leaves):
         assert wait_complete(door)
     assert sent > 0
     door.close()
+
+
+def test_rank0_forgets_failed_handoffs_whose_requests_never_came(monkeypatch):
+    """The launcher's "handoff_failed" lines are kept HANDOFF_WAIT_S for a request that may
+    still come, then forgotten (before: kept for as long as the ranks ran)."""
+    import os
+
+    import node.jobs.serve as ns
+    from tests.support.serving import wait_for
+
+    monkeypatch.setattr(ns, "HANDOFF_WAIT_S", 0.2)
+    r, w = os.pipe()
+    inbox = ns.Inbox(os.fdopen(r, "rb"), lambda m: None)
+    os.write(w, b'{"op": "handoff_failed", "ticket": "t1"}\n')
+    wait_for(lambda: "t1" in inbox.handoffs_failed, timeout=5)
+    time.sleep(0.3)  # t1 is older than HANDOFF_WAIT_S now
+    os.write(w, b'{"op": "handoff_failed", "ticket": "t2"}\n')
+    wait_for(lambda: "t2" in inbox.handoffs_failed, timeout=5)
+    assert list(inbox.handoffs_failed) == ["t2"]
+    os.close(w)
+
+
+def test_rank0_refuses_a_duplicate_ticket_and_a_prefill_copy_and_says_what_it_forgot():
+    """A decode group's rank 0: a second request under a ticket already waiting, or a prefill
+    group's copy (it names the doors), fails alone and the first keeps its place; a ticket
+    some rank's door refused is forgotten at once, and each forgotten ticket is told to the
+    launcher (Forgot), which cancels the prefill group's copy."""
+    from cluster.core.protocol import Forgot, Refused
+
+    events = []
+    s = scheduler("decode", events.append)
+    first = flight("a", "t1")
+    s.take(first)
+    s.take(flight("b", "t1"))
+    s.take(flight("c", "t2", copy=True))
+    assert [(e.request, e.status) for e in events] == [("b", 500), ("c", 500)]
+    assert all(isinstance(e, Refused) for e in events) and s.awaiting["t1"][0] is first
+    assert "already waiting" in events[0].message and "copy" in events[1].message
+    assert tickets(s.order(live=1).expect) == ["t1"]
+    s.failed_now = ["t1"]
+    order = s.order(live=1)
+    assert order.forget == ["t1"] and order.insert == [first.shared]
+    assert events[2:] == [Forgot("a", "t1", "a rank's door refused what came")]

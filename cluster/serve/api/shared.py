@@ -158,7 +158,20 @@ class ApiRequest:
     # the handoff's figures, added to the answer's timings
     on_handed: Callable[[Any], None] | None = None
     handed: dict | None = None
-    prefill_copy: tuple[Any, ApiRequest] | None = None  # (the prefill group, its copy)
+    # cancels the prefill group's copy: called once, when this request ends for any reason,
+    # when its decode group forgets its ticket, or when it is replayed without its handoff
+    drop_copy: Callable[[], None] | None = None
+
+    @property
+    def is_prefill_copy(self) -> bool:
+        """A prefill group's copy of a client's request: never rerouted, never answered."""
+        return self.on_handed is not None
+
+    def let_go(self) -> None:
+        """Its prefill group's copy is no longer wanted (see ``drop_copy``)."""
+        drop, self.drop_copy = self.drop_copy, None
+        if drop is not None:
+            drop()
 
     def to_rank0(self) -> ServeRequest:
         return dataclasses.replace(self.request, id=self.id)
