@@ -43,6 +43,10 @@ LIMITS: dict[str, Any] = {
     "max_grammar_size": 500_000,
 }
 MAX_SOURCE = 1 << 20  # characters of a schema, regex or grammar
+# a constrained request's tools (forced or strict calls): what their grammar may hold, checked
+# before it is built (its size follows the properties; its parse, their nesting)
+MOST_TOOL_PROPERTIES = 2_000  # properties of every tool's schema, nested ones too
+MOST_TOOL_DEPTH = 24  # schemas within schemas (properties, items, anyOf, ...)
 
 
 class BadGrammar(ValueError):
@@ -137,6 +141,41 @@ def choice(options: Any) -> str:
     return regex("|".join(re.escape(o) for o in options))
 
 
+def tool_bounds(tools: Any) -> str | None:
+    """Why a request's tools are too large to constrain a call with (their properties, their
+    nesting), None when they are not: checked before any grammar is built."""
+    count = 0
+
+    def walk(node: Any, depth: int) -> str | None:
+        nonlocal count
+        if depth > MOST_TOOL_DEPTH:
+            return f"a tool's schema nests deeper than {MOST_TOOL_DEPTH} levels"
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                count += len(props)
+                if count > MOST_TOOL_PROPERTIES:
+                    return (f"the tools' schemas have more than {MOST_TOOL_PROPERTIES} "
+                            "properties: too many to constrain a call with")  # fmt: skip
+            children: list[Any] = list(node.values())
+        elif isinstance(node, list):
+            children = node
+        else:
+            return None
+        for child in children:
+            if isinstance(child, (dict, list)) and (why := walk(child, depth + 1)):
+                return why
+        return None
+
+    return walk(tools, 0)
+
+
+def is_panic(e: BaseException) -> bool:
+    """Whether llguidance's Rust code panicked (pyo3's PanicException, a BaseException): a
+    grammar it cannot take, answered as one."""
+    return type(e).__name__ == "PanicException"
+
+
 def checked(grammar: str) -> str:
     """``grammar`` once llguidance compiles it without a tokenizer; BadGrammar naming the
     first error otherwise."""
@@ -156,7 +195,12 @@ def verdict(grammar: str, tokenizer, verdicts: OrderedDict[bytes, str]) -> str:
     why = verdicts.get(key)
     if why is None:
         limits = llguidance.LLParserLimits(**LIMITS)
-        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
+        try:
+            error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
+        except BaseException as e:
+            if not is_panic(e):
+                raise
+            error = f"llguidance failed on this grammar ({first_line(str(e))})"
         why = first_line(error) if error and not error.startswith("WARNING") else ""
     remember(verdicts, key, why)
     return why

@@ -46,6 +46,7 @@ import numpy as np
 from cluster.core.grammar import (  # one set for the launcher and ranks
     LIMITS,
     first_line,
+    is_panic,
     verdict,
 )
 from cluster.core.spec import Grammar
@@ -94,8 +95,88 @@ def tokens() -> Tokens:
     try:
         tokenizer = llguidance.LLTokenizer(str(path), n_vocab=vocab, eos_token=ends)
     except (ValueError, RuntimeError) as e:
-        raise GrammarError(f"llguidance cannot read this model's tokenizer ({e})") from None
+        try:  # a decoder llguidance's reader does not know (Metaspace, ...): its token table
+            table = llguidance.TokenizerWrapper(TokenTable(path, ends, vocab))
+            tokenizer = llguidance.LLTokenizer(table, n_vocab=vocab, eos_token=ends)
+        except (ValueError, RuntimeError, KeyError, OSError) as again:
+            raise GrammarError(f"llguidance cannot read this model's tokenizer ({e}; as a "
+                               f"token table: {again})") from None  # fmt: skip
     return Tokens(tokenizer, vocab)
+
+
+class TokenTable:
+    """A tokenizer.json whose decoder llguidance's own reader does not know (SentencePiece's
+    Metaspace, as Llama 2, Mistral and Gemma conversions carry it), as the table llguidance
+    also takes: each token's bytes (a byte-fallback ``<0xHH>`` its byte, the Metaspace
+    replacement a space; a special token marked with 0xFF, as llguidance marks them; ids
+    past the tokenizer's up to the logits' width empty), and the tokenizer's own encoder."""
+
+    def __init__(self, path: Path, eos: list[int] | None, vocab: int):
+        import re
+
+        from tokenizers import Tokenizer
+
+        spec = json.loads(path.read_text())
+        space = metaspace_of(spec.get("decoder") or {})
+        self.encoder = Tokenizer.from_str(json.dumps(no_prefix_space(spec)))
+        added = self.encoder.get_added_tokens_decoder()
+        special = {i for i, t in added.items() if t.special}
+        byte = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+        self.tokens: list[bytes] = []
+        for i in range(self.encoder.get_vocab_size(with_added_tokens=True)):
+            piece = self.encoder.id_to_token(i)
+            if piece is None:
+                self.tokens.append(b"")
+            elif i in special:
+                self.tokens.append(b"\xff" + piece.encode())
+            elif m := byte.fullmatch(piece):
+                self.tokens.append(bytes([int(m[1], 16)]))
+            else:
+                self.tokens.append(piece.replace(space, " ").encode())
+        self.tokens += [b""] * (vocab - len(self.tokens))  # the logits' width: never sampled
+        self.special_token_ids = sorted(special)
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = None
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self.encoder.encode(text, add_special_tokens=False).ids)
+
+
+def no_prefix_space(spec: Any) -> Any:
+    """tokenizer.json's spec, encoding text without the space SentencePiece puts before it
+    (llguidance encodes pieces of text in the middle of an answer: their bytes must be the
+    text's own)."""
+    if isinstance(spec, list):
+        return [no_prefix_space(x) for x in spec if not is_prepend(x)]
+    if not isinstance(spec, dict):
+        return spec
+    out = {k: no_prefix_space(v) for k, v in spec.items() if k != "decoder"}
+    if out.get("type") == "Metaspace":
+        out.update(prepend_scheme="never", add_prefix_space=False)
+    for key in ("normalizer", "pre_tokenizer"):
+        if is_prepend(out.get(key)):
+            out[key] = None
+    if "decoder" in spec:
+        out["decoder"] = spec["decoder"]
+    return out
+
+
+def is_prepend(x: Any) -> bool:
+    return isinstance(x, dict) and x.get("type") == "Prepend"
+
+
+def metaspace_of(decoder: dict) -> str:
+    """The character a Metaspace decoder turns into a space (in a Sequence too)."""
+    if decoder.get("type") == "Metaspace":
+        return str(decoder.get("replacement") or "\u2581")
+    for part in decoder.get("decoders") or []:
+        if isinstance(part, dict) and part.get("type") in ("Metaspace", "Replace"):
+            if part.get("type") == "Metaspace":
+                return str(part.get("replacement") or "\u2581")
+            content = (part.get("pattern") or {}).get("String")
+            if isinstance(content, str) and part.get("content") == " ":
+                return content
+    return "\u2581"
 
 
 def fresh(grammar: str):
@@ -106,9 +187,14 @@ def fresh(grammar: str):
     from llguidance.numpy import fill_next_token_bitmask
 
     t = tokens()
-    matcher = llguidance.LLMatcher(t.tokenizer, grammar, log_level=0, limits=limits())
-    if not matcher.is_error():  # the first mask builds the lexer's start: here, not mid-batch
-        fill_next_token_bitmask(matcher, np.zeros((1, (t.vocab + 31) // 32), dtype=np.int32))
+    try:
+        matcher = llguidance.LLMatcher(t.tokenizer, grammar, log_level=0, limits=limits())
+        if not matcher.is_error():  # the first mask builds the lexer's start: not mid-batch
+            fill_next_token_bitmask(matcher, np.zeros((1, (t.vocab + 31) // 32), dtype=np.int32))
+    except BaseException as e:
+        if not is_panic(e):
+            raise
+        raise GrammarError(f"llguidance failed on this grammar ({first_line(str(e))})") from None
     if matcher.is_error():
         raise GrammarError(first_line(matcher.get_error()))
     return matcher

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.core.grammar import JSON_OPTIONS
+from cluster.core.grammar import JSON_OPTIONS, MAX_SOURCE, tool_bounds
 
 COMPACT = {"x-guidance": JSON_OPTIONS}  # JSON as cluster.core.grammar writes it
 ANY_TEXT = r"(.|\n)*"
@@ -98,25 +98,30 @@ class Writer:
 
     def sequence(self, items: list[tuple[str, bool]], sep: str) -> str:
         """``items`` (Lark, required) in order, the optional ones may be left out, ``sep``
-        (Lark) between two that are written (never before the first)."""
+        (Lark) between two that are written (never before the first). Each rule names the
+        rules after it, so the grammar grows with the items, not with their square."""
         if not items:
             return '""'
         if not sep:
             return " ".join(one if required else f"({one})?" for one, required in items)
-        rest = ""  # the items after i, each with its separator
-        first = ""  # the items from i, the first written without one
+        rest = ""  # a rule: the items after i, each with its separator
+        first = ""  # a rule: the items from i, the first written without one
         for one, required in reversed(items):
+            alone = f"{one} {rest}".strip()
             if required:
-                first = self.rule(f"{one} {rest}".strip())
+                first = self.rule(alone)
             else:
-                alone = f"{one} {rest}".strip()
                 first = self.rule(f"{alone} | {first}" if first else f"({alone})?")
-            with_sep = f"{sep} {one}"
-            rest = f"{with_sep} {rest}".strip() if required else f"({with_sep})? {rest}".strip()
+            with_sep = f"{sep} {one} {rest}".strip()
+            rest = self.rule(with_sep if required else f"({with_sep})?")
         return first
 
     def grammar(self, start: str) -> str:
-        return "\n".join(["%llguidance {}", f"start: {start}", *self.rules]) + "\n"
+        text = "\n".join(["%llguidance {}", f"start: {start}", *self.rules]) + "\n"
+        if len(text) > MAX_SOURCE:
+            raise ValueError(f"the tools' grammar would be {len(text):,} characters, over "
+                             f"{MAX_SOURCE:,}: fewer or smaller tools")  # fmt: skip
+        return text
 
 
 def flagged_special(tokenizer, token: int) -> bool:
@@ -330,7 +335,7 @@ def gemma(quote: str, char: str = r"(.|\n)") -> Callable[[Writer, Call], str]:
 
 def pythonic(w: Writer, call: Call) -> str:
     def item(key: str, schema: dict) -> str:
-        return f'"{key}=" {w.json(schema)}'
+        return f"{w.lit(key + '=')} {w.json(schema)}"
 
     return f'{w.lit(call.name)} "(" {call.arguments(w, item, sep=chr(34) + ", " + chr(34))} ")"'
 
@@ -394,6 +399,8 @@ def tool_grammar(tokenizer, tools: list[dict], choice: str, think: str = "",
     ``think``: a think block of the model's special markers (a Lark rule named think) free
     text may begin with; ``single``: one call at most. ValueError for a tool the request
     does not have. ``special``: which tokens llguidance takes as special (Writer)."""
+    if why := tool_bounds(tools):
+        raise ValueError(why)
     functions = {t["function"]["name"]: t["function"] for t in tools
                  if isinstance(t.get("function"), dict)}  # fmt: skip
     if choice not in ("required", "strict") and choice not in functions:

@@ -162,3 +162,70 @@ def test_a_tool_the_request_lacks_is_refused(speaking):
         tool_grammar(wrapper, [WEATHER], "nope")
     with pytest.raises(ValueError, match="no tools"):
         tool_grammar(wrapper, [], "required")
+
+
+def wide_tool(n: int, name: str = "wide") -> dict:
+    """A tool of ``n`` optional string properties, strict (an 18 kB body at 300)."""
+    props = {f"field_{i}": {"type": "string"} for i in range(n)}
+    return {"type": "function", "function": {"name": name, "strict": True,
+            "parameters": {"type": "object", "properties": props}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_tools_grammar_grows_with_its_properties_not_their_square(speaking, family):
+    """300 optional properties: pythonic's grammar was 6.0 MB and gemma4's 1.8 MB (over
+    llguidance's lexer limit: a 500), every neighbour waiting behind its compilation; now
+    each rule names the ones after it. Doubling the properties at most doubles the grammar
+    (and a little), and the grammar compiles for the model."""
+    wrapper, _ = speaking(family)
+    special = llguidance_of(wrapper)
+    sizes = [len(tool_grammar(wrapper, [wide_tool(n)], "strict", special=special))
+             for n in (150, 300)]  # fmt: skip
+    assert sizes[1] < 2.2 * sizes[0], sizes
+    assert sizes[1] < 200_000, sizes
+    node_grammar.check(tool_grammar(wrapper, [wide_tool(300)], "strict", special=special))
+
+
+def test_tools_too_large_to_constrain_are_refused_before_a_grammar_is_built(speaking):
+    from cluster.core.grammar import MOST_TOOL_DEPTH, MOST_TOOL_PROPERTIES
+    from cluster.serve.api.constrain import forced, strict
+    from cluster.serve.api.shared import RequestError
+
+    wrapper, _ = speaking("pythonic")
+    deep: dict = {"type": "string"}
+    for _ in range(MOST_TOOL_DEPTH):
+        deep = {"type": "object", "properties": {"x": deep}}
+    nested = {"type": "function", "function": {"name": "deep", "parameters": deep}}
+    for tools, says in [([wide_tool(MOST_TOOL_PROPERTIES + 1)], "more than 2000 properties"),
+                        ([wide_tool(1500), wide_tool(600, "b")], "more than 2000 properties"),
+                        ([nested], "deeper than 24 levels")]:  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            tool_grammar(wrapper, tools, "strict")
+        for make in (lambda t: forced("required", t, "tool_choice"),
+                     lambda t: strict(t, [True] * len(t))):  # fmt: skip
+            with pytest.raises(RequestError, match=f"'tools': .*{says}") as e:
+                make(tools)
+            assert e.value.status == 400
+    assert forced("required", [wide_tool(MOST_TOOL_PROPERTIES)], "tool_choice").tools
+
+
+def test_an_llguidance_panic_is_a_refusal_not_a_crash(monkeypatch):
+    """pyo3's PanicException is a BaseException: it went past every ``except Exception`` on
+    rank 0's prepare thread. It is the grammar's refusal now (a 400 naming the field)."""
+    import llguidance
+
+    from cluster.core import grammar as core_grammar
+
+    class PanicException(BaseException):
+        pass
+
+    def panics(*args, **kwargs):
+        raise PanicException("index out of bounds: the len is 3 but the index is 7")
+
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", panics)
+    from collections import OrderedDict
+
+    why = core_grammar.verdict("start: /x/\n", None, OrderedDict())
+    assert why.startswith("llguidance failed on this grammar (index out of bounds")
+    with pytest.raises(core_grammar.BadGrammar, match="llguidance failed"):
+        core_grammar.checked("start: /panics/\n")

@@ -97,7 +97,14 @@ def forced(kind: str, tools: list, name: str) -> Constraint:
         raise RequestError(400, f"'{name}' forces a tool call, but the request has no tools")
     if kind != "required" and kind not in {t["function"]["name"] for t in tools}:
         raise RequestError(400, f"'{name}' names {kind!r}, which is not among the tools")
+    bounded(tools)
     return Constraint(tools=kind, source=name)
+
+
+def bounded(tools: list) -> None:
+    """Tools a call is constrained by: small enough for a grammar (a 400 naming 'tools')."""
+    if why := grammar.tool_bounds(tools):
+        raise RequestError(400, f"'tools': {why}")
 
 
 def one_call(constraint: Constraint | None, single: bool) -> Constraint | None:
@@ -110,4 +117,7 @@ def one_call(constraint: Constraint | None, single: bool) -> Constraint | None:
 
 def strict(tools: list, marked: list[bool]) -> Constraint | None:
     """Tools marked ``strict``: the model chooses whether to call, a call follows its schema."""
-    return Constraint(tools="strict", source="tools") if tools and any(marked) else None
+    if not tools or not any(marked):
+        return None
+    bounded(tools)
+    return Constraint(tools="strict", source="tools")
