@@ -222,6 +222,7 @@ def _groups(raw: Any, hosts: list[Host], fail) -> list[HostGroup]:
     if not isinstance(raw, list) or not raw:
         raise fail("field 'groups' must be a non-empty list of {hosts: [...], mode: ...}")
     by_name = {h.target: h.index for h in hosts}
+    twice = {h.target for h in hosts if sum(o.target == h.target for o in hosts) > 1}
     owner: dict[int, int] = {}
     groups = []
     for g, entry in enumerate(raw):
@@ -237,6 +238,9 @@ def _groups(raw: Any, hosts: list[Host], fail) -> list[HostGroup]:
                        "targets (or their indices)")  # fmt: skip
         members = []
         for name in names:
+            if isinstance(name, str) and name in twice:
+                same = ", ".join(str(h.index) for h in hosts if h.target == name)
+                raise fail(f"group {g}: {name!r} names hosts {same}; name them by index")
             index = name if isinstance(name, int) and not isinstance(name, bool) else None
             index = by_name.get(name) if index is None and isinstance(name, str) else index
             if index is None or not 0 <= index < len(hosts):

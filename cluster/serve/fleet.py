@@ -34,7 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import IO
 
-from cluster.core.hostfile import Host, Hostfile, HostfileError, local_hostfile, split_weights
+from cluster.core.hostfile import Host, Hostfile, HostfileError, split_weights
 from cluster.core.prefix import longest_held, prefix_chain
 from cluster.core.protocol import CANCELLED, Handed
 from cluster.core.spec import HandoffTicket, JobSpec, LaunchSettings
@@ -75,21 +75,18 @@ def plan_groups(
             )
         by_index = {h.index: h for h in hostfile.hosts}
         members = [([by_index[i] for i in g.hosts], g.mode) for g in hostfile.groups]
-        roles = [g.role == "prefill" for g in hostfile.groups]
     elif replicas == 1:
-        roles = []
         if spec.serve.prefill_groups:
             raise HostfileError("--prefill-groups needs several groups (--replicas, or the "
                                 "hostfile's 'groups:'): one to prefill, one to decode")  # fmt: skip
         return [GroupPlan(hostfile, spec, launch)]
     else:
         members = [(hosts, None) for hosts in split_hosts(hostfile, replicas)]
-        roles = []
     prefill = spec.serve.prefill_groups
     if prefill and prefill >= len(members):
         raise HostfileError(f"--prefill-groups {prefill}: of {len(members)} group(s) at least one "
                             "must decode (--replicas)")  # fmt: skip
-    roles = [r or i < prefill for i, r in enumerate(roles or [False] * len(members))]
+    roles = group_roles(hostfile, prefill, len(members))
     if any(roles) and spec.kv_quant.kv_bits:
         raise HostfileError("prefill groups cannot hand off a quantized KV cache yet: serve "
                             "without --kv-bits, or without prefill groups")  # fmt: skip
@@ -112,6 +109,22 @@ def plan_groups(
         plans.append(GroupPlan(part, dataclasses.replace(spec, mode=mode or spec.mode,
                                                          handoff=handoff), own))  # fmt: skip
     return plans
+
+
+def group_roles(hostfile: Hostfile, prefill: int, groups: int) -> list[bool]:
+    """Whether each group only prefills: the hostfile's ``role:`` where it says one, the first
+    ``prefill`` groups (--prefill-groups) otherwise. An explicit role is never overridden: a
+    --prefill-groups that contradicts one is refused, naming both."""
+    explicit = [g.role for g in hostfile.groups] or [None] * groups
+    if prefill:
+        for i, role in enumerate(explicit):
+            wants = "prefill" if i < prefill else "decode"
+            if role is not None and role != wants:
+                raise HostfileError(
+                    f"--prefill-groups {prefill} makes group {i} {wants}, but "
+                    f"{hostfile.path or 'the hostfile'} gives it 'role: {role}'; drop one"
+                )
+    return [role == "prefill" or (role is None and i < prefill) for i, role in enumerate(explicit)]
 
 
 def blas_threads(hostfile: Hostfile, groups: list[list[Host]]) -> dict[str, str]:
@@ -137,11 +150,8 @@ def split_hosts(hostfile: Hostfile, replicas: int) -> list[list[Host]]:
     each = world // replicas
     if len(hostfile.hosts) == 1 and hostfile.hosts[0].is_local and hostfile.hosts[0].gpus is None:
         one = hostfile.hosts[0]  # -n N: N/R local ranks per group, each its own "host"
-        return [
-            [dataclasses.replace(local_hostfile(each, hostfile.backend).hosts[0], index=g,
-                                 ips=list(one.ips), python=one.python, cwd=one.cwd)]
-            for g in range(replicas)
-        ]  # fmt: skip
+        return [[dataclasses.replace(one, index=g, slots=each, ips=list(one.ips))]
+                for g in range(replicas)]  # fmt: skip
     groups: list[list[Host]] = [[]]
     count = 0
     for h in hostfile.hosts:

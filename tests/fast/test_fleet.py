@@ -4,6 +4,7 @@ group's requests handed to the others, rank 0's report of its cached prefixes, g
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from collections import Counter
@@ -89,14 +90,59 @@ def test_prefill_groups_get_their_role_and_the_fleets_key():
     assert hostfile_data(named)["groups"][1] == {"hosts": ["b"], "role": "prefill"}
     with pytest.raises(HostfileError, match="at least one must decode"):
         plan_groups(four, spec(prefill_groups=2), LaunchSettings(), 2)
-    with pytest.raises(HostfileError, match="at least one must decode"):
-        plan_groups(named, spec(prefill_groups=1), LaunchSettings(), 1)
+    with pytest.raises(HostfileError, match="makes group 1 decode, but rig.yaml gives it "
+                                            "'role: prefill'"):  # fmt: skip
+        plan_groups(dataclasses.replace(named, path="rig.yaml"), spec(prefill_groups=1),
+                    LaunchSettings(), 1)  # fmt: skip
     with pytest.raises(HostfileError, match="needs several groups"):
         plan_groups(four, spec(prefill_groups=1), LaunchSettings(), 1)
     quantized = JobSpec(model="m", command="serve", serve=ServeSettings(prefill_groups=1),
                         kv_quant=KVQuant(kv_bits=4))  # fmt: skip
     with pytest.raises(HostfileError, match="cannot hand off a quantized KV cache"):
         plan_groups(four, quantized, LaunchSettings(), 2)
+
+
+def test_prefill_groups_never_override_the_roles_a_hostfile_gives():
+    """--prefill-groups K with a hostfile's roles: where they agree, the same plan; a group
+    the hostfile says decodes that K would make prefill is refused naming both (before: it
+    silently prefilled)."""
+    hosts = ["a", "b", "c"]
+    decode_first = parse_hostfile({"hosts": hosts, "groups": [
+        {"hosts": ["a"], "role": "decode"}, {"hosts": ["b"]}, {"hosts": ["c"]}]})  # fmt: skip
+    with pytest.raises(HostfileError, match="makes group 0 prefill, but <hostfile> gives "
+                                            "it 'role: decode'"):  # fmt: skip
+        plan_groups(decode_first, spec(prefill_groups=1), LaunchSettings(), 1)
+    agreeing = parse_hostfile({"hosts": hosts, "groups": [
+        {"hosts": ["a"], "role": "prefill"}, {"hosts": ["b"], "role": "decode"},
+        {"hosts": ["c"]}]})  # fmt: skip
+    plans = plan_groups(agreeing, spec(prefill_groups=1), LaunchSettings(), 1)
+    assert [p.spec.handoff.role for p in plans] == ["prefill", "decode", "decode"]
+    roles = plan_groups(decode_first, spec(), LaunchSettings(), 1)
+    assert [p.spec.handoff.role for p in roles] == ["both", "both", "both"]
+
+
+def test_replicas_of_one_local_host_keep_every_field_of_it():
+    """``--replicas 2`` on a hostfile of one local host: each group's host keeps its device,
+    memory, model folder, python and cwd (before: device, memory_gb and model_dir went)."""
+    hf = parse_hostfile({"hosts": [{"ssh": "localhost", "slots": 4, "device": "cpu",
+                                    "memory_gb": 64, "model_dir": "/models", "python": "/py",
+                                    "cwd": "/w"}]})  # fmt: skip
+    plans = plan_groups(hf, spec(), LaunchSettings(), 2)
+    for g, plan in enumerate(plans):
+        (host,) = plan.hostfile.hosts
+        assert (host.index, host.slots, host.device, host.memory_gb, host.model_dir,
+                host.python, host.cwd) == (g, 2, "cpu", 64, "/models", "/py", "/w")  # fmt: skip
+
+
+def test_a_group_naming_a_target_two_hosts_share_is_refused():
+    """Two hosts with the same ssh target (two slots' worth written twice): a group that
+    names the target is ambiguous (before: the last host won silently)."""
+    with pytest.raises(HostfileError, match="'mac.local' names hosts 0, 1; name them by index"):
+        parse_hostfile({"hosts": ["mac.local", "mac.local", "b.local"],
+                        "groups": [{"hosts": ["mac.local"]}, {"hosts": [1, 2]}]})  # fmt: skip
+    ok = parse_hostfile({"hosts": ["mac.local", "mac.local", "b.local"],
+                         "groups": [{"hosts": [0]}, {"hosts": [1, 2]}]})  # fmt: skip
+    assert [g.hosts for g in ok.groups] == [[0], [1, 2]]
 
 
 def test_replicas_split_the_ranks_in_order():
