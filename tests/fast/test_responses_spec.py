@@ -13,7 +13,7 @@ import pytest
 
 from cluster.core.protocol import Piece, ToolCall
 from cluster.serve.api.shared import END
-from cluster.serve.api.stored import ResponseStore, Stored
+from cluster.serve.api.stored import ENTRY_BYTES, ResponseStore, Stored
 from tests.support.openresponses import ResponseResource, check, check_event
 from tests.support.serving import StandIn, running_api
 
@@ -137,22 +137,68 @@ def test_a_chained_response_continues_its_stored_conversation(api):
 
 
 def stored(size: int, previous: str | None = None) -> Stored:
-    return Stored({"pad": "x" * size}, [], [{"role": "user", "content": str(size)}], previous)
+    return Stored.of({"pad": "x" * size}, [], [{"role": "user", "content": str(size)}], previous)
 
 
 def test_the_store_is_bounded_by_bytes_and_by_age_and_keeps_a_used_chain():
     now = [0.0]
-    store = ResponseStore(1200, 60.0, clock=lambda: now[0])  # 3 of 350 bytes fit
+    one = stored(300).size
+    assert one > 300 + ENTRY_BYTES
+    store = ResponseStore(3 * one + 10, 60.0, clock=lambda: now[0])  # 3 fit
     assert store.put("a", stored(300)) and store.put("b", stored(300, "a"))
     assert store.put("other", stored(300))
     assert store.conversation("b") == [{"role": "user", "content": "300"}] * 2  # a, b used now
     assert store.put("c", stored(300, "b"))  # over 1200 bytes: the least recently used goes
     assert store.get("other") is None and store.get("a") is not None
-    assert store.bytes <= 1200
-    assert not store.put("huge", stored(2000))  # alone over the bound: not kept
+    assert store.bytes <= 3 * one + 10
+    assert not store.put("huge", stored(4 * one))  # alone over the bound: not kept
     now[0] = 61.0
     assert store.get("c") is None and store.bytes == 0  # past its age
     with pytest.raises(KeyError):
         store.conversation("c")
     off = ResponseStore(0, 60.0)
     assert not off.enabled and not off.put("a", stored(1))
+
+
+def test_the_store_counts_the_bytes_it_holds():
+    """Each response is held as its compact JSON, counted with what keeping it costs: the
+    bound is the memory held (before: the JSON's length was counted while the objects it
+    came from were held, 1.2-4.3x as much)."""
+    import gc
+    import tracemalloc
+
+    store = ResponseStore(1 << 30, 60.0)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(500):
+            text = " ".join(f"w{i}.{j}" for j in range(100))
+            store.put(f"resp_{i}", Stored.of({"id": f"resp_{i}", "output": [{"text": text}]},
+                                             [{"id": f"item_{i}", "text": text}],
+                                             [{"role": "user", "content": text}]))  # fmt: skip
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0.8 * store.bytes < held <= store.bytes, (held, store.bytes)
+
+
+def test_a_chain_too_long_is_refused_as_such_not_as_a_missing_response(monkeypatch):
+    import cluster.serve.api.stored as st
+
+    monkeypatch.setattr(st, "MAX_CHAIN", 3)
+    store = ResponseStore(1 << 20, 60.0)
+    previous = None
+    for i in range(5):
+        store.put(f"r{i}", stored(10, previous))
+        previous = f"r{i}"
+    assert len(store.conversation("r2")) == 3
+    with pytest.raises(st.ChainTooLong, match="more than 3 responses"):
+        store.conversation("r4")
+    from cluster.serve.api.responses import Responses
+    from cluster.serve.api.shared import RequestError
+
+    with pytest.raises(RequestError) as e:  # a 400 that says so, not a 404 blaming r1
+        Responses(store).history({"previous_response_id": "r4"})
+    assert e.value.status == 400 and "chains more than 3 responses" in str(e.value)

@@ -44,7 +44,7 @@ from cluster.serve.api.shared import (
     max_tokens,
     sampling,
 )
-from cluster.serve.api.stored import ResponseStore, Stored
+from cluster.serve.api.stored import ChainTooLong, ResponseStore, Stored
 
 API_SAMPLING = api_fields(Sampling, RESPONSES)  # request field -> our setting (core.spec)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -184,6 +184,9 @@ class Responses:
             raise RequestError(400, "'previous_response_id' must be a string")
         try:
             return self.store.conversation(previous)
+        except ChainTooLong as e:
+            raise RequestError(400, f"'previous_response_id': {e}; send the whole "
+                                    "conversation in 'input'") from None  # fmt: skip
         except KeyError as e:
             missing = f"response {str(e.args[0])[:100]!r}"
             chain = "" if e.args[0] == previous else f", which {previous[:100]!r} follows,"
@@ -396,7 +399,7 @@ def kept(store: ResponseStore, req: ApiRequest, body: dict) -> dict:
         return body
     items = [identified(item, req.id, i) for i, item in enumerate(req.echo["input"])]
     turn = turn_messages(items) + answer_messages(body["output"])
-    if not store.put(body["id"], Stored(body, items, turn, body["previous_response_id"])):
+    if not store.put(body["id"], Stored.of(body, items, turn, body["previous_response_id"])):
         body["store"] = False  # larger alone than --responses-store-mb
     return body
 

@@ -22,14 +22,44 @@ from dataclasses import dataclass, field
 MAX_CHAIN = 10_000  # turns one conversation may chain (MAX_MESSAGES: each turn is at least one)
 
 
+ENTRY_BYTES = 512  # what keeping one response costs besides its JSON (measured: ~350)
+
+
+class ChainTooLong(ValueError):
+    """A conversation that chains more than MAX_CHAIN responses."""
+
+
 @dataclass
 class Stored:
-    response: dict  # the response object as GET returns it
-    input_items: list[dict]  # the request's input items, each with an id
-    messages: list[dict]  # this turn as chat messages: its input, then the answer
-    previous: str | None = None  # previous_response_id
-    size: int = 0  # bytes, as JSON
+    """One kept response, held as its compact JSON (bytes held = what the bound counts):
+    the response object as GET returns it, the request's input items (each with an id), this
+    turn as chat messages (its input, then the answer), and previous_response_id."""
+
+    data: bytes
+    previous: str | None = None
+    size: int = 0  # bytes it holds: its JSON and ENTRY_BYTES
     used: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def of(cls, response: dict, input_items: list[dict], messages: list[dict],
+           previous: str | None = None) -> Stored:  # fmt: skip
+        data = json.dumps([response, input_items, messages], separators=(",", ":")).encode()
+        return cls(data, previous, len(data) + ENTRY_BYTES)
+
+    def parts(self) -> list:
+        return json.loads(self.data)
+
+    @property
+    def response(self) -> dict:
+        return self.parts()[0]
+
+    @property
+    def input_items(self) -> list[dict]:
+        return self.parts()[1]
+
+    @property
+    def messages(self) -> list[dict]:
+        return self.parts()[2]
 
 
 class ResponseStore:
@@ -51,7 +81,6 @@ class ResponseStore:
 
     def put(self, rid: str, stored: Stored) -> bool:
         """Keep a response (False when it alone is over the bound, or the store is off)."""
-        stored.size = len(json.dumps([stored.response, stored.input_items, stored.messages]))
         if stored.size > self.max_bytes:
             return False
         with self.lock:
@@ -76,16 +105,20 @@ class ResponseStore:
 
     def conversation(self, rid: str) -> list[dict]:
         """The chat messages of ``rid``'s chain, oldest turn first; KeyError naming the
-        first response of the chain that is not kept. Every response of the chain counts
-        as used now (a live session's turns are the last to go)."""
+        first response of the chain that is not kept, ChainTooLong past MAX_CHAIN turns.
+        Every response of the chain counts as used now (a live session's turns are the last
+        to go)."""
         with self.lock:
             self.evict()
             turns: list[tuple[str, Stored]] = []
             at: str | None = rid
             while at is not None:
                 stored = self.items.get(at)
-                if stored is None or len(turns) >= MAX_CHAIN:
+                if stored is None:
                     raise KeyError(at)
+                if len(turns) >= MAX_CHAIN:
+                    raise ChainTooLong(f"the conversation chains more than {MAX_CHAIN:,} "
+                                       "responses")  # fmt: skip
                 turns.append((at, stored))
                 at = stored.previous
             for at, stored in reversed(turns):  # the newest turn ends up most recent
