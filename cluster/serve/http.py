@@ -511,7 +511,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.discard_body()
                 raise RequestError(404, f"no route {self.path[:200]}", "not_found_error")
             kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
-            if kind != "application/json":
+            if kind != "application/json" and not getattr(endpoint, "any_content_type", False):
                 self.close_connection = True  # its body is not read
                 raise RequestError(
                     415,
@@ -523,10 +523,13 @@ class Handler(BaseHTTPRequestHandler):
             request = endpoint.parse(body, service.door)
             if refusal := service.refused_grammar(request):
                 raise refusal
+            stream = body.get("stream")
+            if stream is not None and not isinstance(stream, bool):
+                raise RequestError(400, f"'stream' must be true or false, got {stream!r:.40}")
         except RequestError as e:
             service.metrics.finished(e.status)
             return self.error(e, endpoint)
-        stream = bool(body.get("stream", getattr(endpoint, "streams", False)))
+        stream = bool(getattr(endpoint, "streams", False) if stream is None else stream)
         stream = stream and request.kind != "count"
         req = ApiRequest(endpoint, request, stream, service.model_id, endpoint.echo(body))
         req.session = session_of(body)
@@ -712,6 +715,8 @@ class Handler(BaseHTTPRequestHandler):
     def error(self, e: RequestError, endpoint: Endpoint | None = None) -> None:
         headers = [("Retry-After", str(e.retry_after))] if e.retry_after else []
         shape = endpoint.error_body if endpoint is not None else error_body
+        if endpoint is None and is_ollama(self.path):  # /api/show, /api/tags, ...
+            shape = ollama_error
         try:
             self.reply(e.status, shape(e), headers)
         except GONE:

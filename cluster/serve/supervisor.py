@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, cast
 
 from cluster.core.hostfile import Host, Hostfile, HostfileError
@@ -130,19 +131,22 @@ def serve_groups(
     """Every group on a thread of its own; this thread takes the signals: the first SIGINT or
     SIGTERM drains every group, the next one (or SIGHUP) stops them all."""
     stop = threading.Event()
+    wake = threading.Event()  # a signal came: a group in backoff ends its wait
     stopped_by: list[int] = []
     codes: dict[int, int] = {}
 
     def run(i: int) -> None:
         why = "the server is shutting down"
         try:
-            codes[i], why = supervise(services[i], plans[i], started, services[i].stderr, stop)
+            codes[i], why = supervise(services[i], plans[i], started, services[i].stderr, stop,
+                                      wake)  # fmt: skip
         except Interrupted as e:
             codes[i] = 128 + e.signum
         finally:
             services[i].close(why)
 
     def on_signal(signum, frame) -> None:
+        wake.set()  # a group waiting for a lost host looks again now
         if not stopped_by and signum in (signal.SIGINT, signal.SIGTERM) and not draining[0]:
             draining[0] = True
             for s in services:
@@ -182,9 +186,12 @@ def supervise(
     started: float | None,
     stderr: IO[str],
     stop: threading.Event | None = None,
+    wake: threading.Event | None = None,
 ) -> tuple[int, str]:
     """One group's jobs, restarted after a failure; (exit code, why its requests end).
-    ``stop`` (a fleet's): this group runs on a thread of its own, its jobs trap no signal."""
+    ``stop`` (a fleet's): this group runs on a thread of its own, its jobs trap no signal;
+    ``wake``: set by any signal (a group waiting for a lost host then looks whether it was
+    told to drain or stop)."""
     hostfile, spec, launch = plan.hostfile, plan.spec, plan.launch
     settings = spec.serve
     restarts = Restarts(settings.max_restarts, settings.restart_window_s)
@@ -224,7 +231,8 @@ def supervise(
                 at = time.strftime("%H:%M:%S", time.localtime(f.at))
                 log(stderr, f"  {i}. {at} {f.message}")
             return 1, "serve gave up after too many failures of the ranks"
-        current = next_hosts(hostfile, current, error, spec, launch, stderr, stop)
+        current = next_hosts(hostfile, current, error, spec, launch, stderr, stop, wake,
+                             lambda: service.draining_now)  # fmt: skip
         log(stderr, f"restarting the ranks (failure {len(restarts.times)} of at most "
                     f"{settings.max_restarts} within {window})")  # fmt: skip
 
@@ -237,10 +245,14 @@ def next_hosts(
     launch: LaunchSettings,
     stderr: IO[str],
     stop: threading.Event | None = None,
+    wake: threading.Event | None = None,
+    draining: Callable[[], bool] = lambda: False,
 ) -> Hostfile:
     """The hosts of the next job: without the lost ones when the model fits the rest, else
     with them once they answer again (waiting with backoff). A host left out earlier comes
-    back only once it answers (a failure with no host lost is a time to look)."""
+    back only once it answers (a failure with no host lost is a time to look). A fleet's
+    group (``stop``) waiting so ends its wait on a signal: told to stop, Interrupted; told
+    to drain (``draining``), the hosts it has (its loop then ends)."""
 
     def answering(hosts: list[Host]) -> list[Host]:
         from cluster.job.ssh import host_answers  # paramiko: only when a host is probed
@@ -272,6 +284,11 @@ def next_hosts(
         wait = BACKOFF_S[min(i, len(BACKOFF_S) - 1)]
         if stop is None:
             time.sleep(wait)
-        elif stop.wait(wait):
+            continue
+        (wake or stop).wait(wait)
+        if stop.is_set():
             raise Interrupted(signal.SIGTERM)
+        if draining():
+            log(stderr, f"not waiting for {names} any longer: the server is draining")
+            return current
     raise AssertionError("unreachable")

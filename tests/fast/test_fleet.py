@@ -529,3 +529,34 @@ def test_a_prefill_copy_is_never_rerouted_to_a_decode_group():
     assert lines[0]["request"]["id"] == req.id
     assert lines[1] == {"op": "handoff_failed", "ticket": req.request.handoff.ticket}
     assert metrics.routed.labels(group="1", reason="rerouted")._value.get() == 0
+
+
+def test_a_group_waiting_for_a_lost_host_ends_its_wait_on_the_first_ctrl_c(monkeypatch):
+    """A fleet's group whose lost host holds a share it cannot do without waits for it with
+    backoff (up to 30 s a look); the first Ctrl-C drains the fleet, and that group stops
+    waiting at once (before: only the second signal ended it)."""
+    import threading
+    import time
+
+    import cluster.job.ssh as ssh
+    from cluster.serve.supervisor import next_hosts
+
+    monkeypatch.setattr(ssh, "host_answers", lambda *a: False)
+    hf = parse_hostfile({"hosts": [{"ssh": "a.local", "memory_gb": 1},
+                                   {"ssh": "b.local", "memory_gb": 1}]})  # fmt: skip
+    error = LaunchError("host 1 (b.local) stopped answering", lost_hosts=[1])
+    stop, wake, draining = threading.Event(), threading.Event(), threading.Event()
+    log = io.StringIO()
+    out: list = []
+    big = JobSpec(model="m", command="serve", mode="tensor")
+    monkeypatch.setattr("cluster.serve.supervisor.fits", lambda rest, spec: "it needs both")
+    t = threading.Thread(target=lambda: out.append(next_hosts(
+        hf, hf, error, big, LaunchSettings(), log, stop, wake, draining.is_set)))  # fmt: skip
+    t.start()
+    wait_for(lambda: "waiting for host 1" in log.getvalue(), timeout=10)
+    began = time.monotonic()
+    draining.set()
+    wake.set()  # as serve_groups' signal handler does
+    t.join(timeout=10)
+    assert not t.is_alive() and time.monotonic() - began < 5
+    assert out == [hf] and "the server is draining" in log.getvalue()

@@ -127,3 +127,38 @@ def test_errors_are_ollama_s_and_the_client_raises_them(api):
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model="m", prompt="x", suffix="y", stream=False)
     assert e.value.status_code == 400 and "suffix" in e.value.error
+
+
+def test_what_ollama_s_own_server_does_with_odd_bodies_and_refusals():
+    """Three places serve differed from Ollama (issue 62): a ``"stream": "false"`` string
+    streamed (now a 400, as Ollama's typed decoding refuses it); /api/show's refusals
+    before its body (the API key) came in OpenAI's error shape; curl's default form content
+    type got a 415 (Ollama reads the body as JSON, whatever its label)."""
+    import urllib.error
+    import urllib.request
+
+    with running_api(Speaker(), key="sekrit") as server:
+        base = f"http://127.0.0.1:{server.address[1]}"
+
+        def post(path: str, body: dict, kind: str = "application/json", key: bool = True):
+            headers = {"Content-Type": kind, **({"Authorization": "Bearer sekrit"} if key else {})}
+            req = urllib.request.Request(base + path, json.dumps(body).encode(), headers)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    return r.status, r.read()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read()
+
+        chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+        status, data = post("/api/chat", {**chat, "stream": "false"})
+        assert status == 400 and json.loads(data) == {
+            "error": "'stream' must be true or false, got 'false'"}  # fmt: skip
+        status, data = post("/v1/chat/completions", {**chat, "stream": 1})
+        assert status == 400 and "'stream' must be true or false" in data.decode()
+        status, data = post("/api/show", {"model": "m"}, key=False)
+        assert status == 401 and json.loads(data) == {"error": "missing or wrong API key"}
+        status, data = post("/api/chat", {**chat, "stream": False},
+                            kind="application/x-www-form-urlencoded")  # fmt: skip
+        assert status == 200 and json.loads(data)["message"]["content"] == "Hello there"
+        status, _ = post("/v1/chat/completions", chat, kind="application/x-www-form-urlencoded")
+        assert status == 415  # OpenAI's and Anthropic's routes keep asking for JSON

@@ -163,6 +163,7 @@ class OllamaEndpoint:
 
     streams = True
     kind = ""
+    any_content_type = True  # Ollama reads the body as JSON whatever it is labelled (curl -d)
 
     def events(self, req: ApiRequest) -> OllamaStream:
         return OllamaStream(req, self.kind)
