@@ -22,6 +22,7 @@ from node.decode.reasoning import THINK_CLOSE, THINK_OPEN, held_back
 from node.rank.numbers import host_float, host_floats, host_ints
 
 CONTENT, REASONING, TOOL = "content", "reasoning", "tool"
+MOST_TRIES = 64  # parses of a cut section's prefixes
 
 
 class Parts:
@@ -38,6 +39,7 @@ class Parts:
         self.emit = emit
         self.tools = tools
         self.parser: Callable | None = None
+        self.format: Any = None  # the family's (node.decode.toolcalls.Format), with a parser
         self.transitions: dict[str, list[tuple[str, str]]] = {CONTENT: [], REASONING: []}
         if split:
             self.transitions[CONTENT].append((THINK_OPEN, REASONING))
@@ -50,6 +52,9 @@ class Parts:
             end = getattr(tokenizer, "tool_call_end", None)
             self.transitions[TOOL] = [(end, CONTENT)] if end else []
             self.start_marker = start
+            from node.decode.toolcalls import format_of
+
+            self.format = format_of(tokenizer)
         self.state = CONTENT
         self.pending = ""  # text not yet shown: it may be the start of a marker
         self.call = ""  # the tool call's markup so far
@@ -77,21 +82,49 @@ class Parts:
         self.pending = self.pending[cut:]
         self.send_logprobs()
 
-    def finish(self) -> bool:
-        """The answer ended: what is held back goes out. True if the model called a tool."""
+    def finish(self, cut: bool = False) -> bool:
+        """The answer ended: what is held back goes out. True if the model called a tool.
+        ``cut``: max_tokens ended it. A call it cut short is dropped, never returned with
+        arguments it did not finish, nor as markup in the content; the calls written whole
+        before it are returned (a section's too, and a JSON answer's list)."""
+        if cut and self.state == TOOL:
+            self.pending, self.call = "", self.call + self.pending
+            self.whole_calls(self.call)
+            self.call, self.state = "", CONTENT
+        elif cut and self.parser is not None and self.start_marker.startswith(self.pending):
+            self.pending = ""  # a call's opening marker, cut before it was whole
         self.out(self.pending)
         self.pending = ""
         if self.state == TOOL:
             self.switch(CONTENT, "")
         if self.json_calls is not None:
-            self.json_answer()
+            self.json_answer(cut)
         self.send_logprobs()
         return self.calls > 0
 
-    def json_answer(self) -> None:
-        """The held answer as the forced call(s); text that is not one (an answer cut by
-        max_tokens) is sent as content: nothing is lost."""
+    def whole_calls(self, markup: str) -> None:
+        """The calls of a cut section written whole (at each place a call ends, from the
+        last, the markup closed there as the format closes it, until it parses); a format of
+        one call per pair of markers has none: its call is the one cut."""
+        fmt = self.format
+        if fmt is None or not fmt.section or not fmt.call_end:
+            return
+        at, tries = len(markup), 0
+        while (at := markup.rfind(fmt.call_end, 0, at)) >= 0 and tries < MOST_TRIES:
+            end = at + len(fmt.call_end)
+            for closer in (*fmt.closers, ""):
+                tries += 1
+                if fmt.whole(markup[:end] + closer) and self.emit_calls(markup[:end] + closer):
+                    return
+
+    def json_answer(self, cut: bool = False) -> None:
+        """The held answer as the forced call(s); text that is not one is sent as content
+        (nothing is lost), unless max_tokens cut it (``cut``): then the calls of a list
+        written whole are returned, the one cut is dropped."""
         text, self.held = self.held, ""
+        if cut:
+            self.json_whole_calls(text)
+            return
         try:
             value = json.loads(text)
             if self.json_calls == "required":
@@ -107,6 +140,29 @@ class Parts:
             return
         for name, arguments in found:
             self.emit(ToolCall(self.id, self.calls, valid_text(name), arguments_json(arguments)))
+            self.calls += 1
+
+    def json_whole_calls(self, text: str) -> None:
+        """A cut JSON answer of "required": the ``{"name", "arguments"}`` items before the
+        one cut (a named call's arguments cut short give none)."""
+        if self.json_calls != "required":
+            return
+        decoder, at = json.JSONDecoder(), text.find("[") + 1
+        found = []
+        while 0 < at < len(text):
+            while at < len(text) and text[at] in " \t\n\r,":
+                at += 1
+            try:
+                item, at = decoder.raw_decode(text, at)
+            except ValueError:
+                break
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str)
+                    and isinstance(item.get("arguments"), dict)):  # fmt: skip
+                break
+            found.append(item)
+        for item in found:
+            self.emit(ToolCall(self.id, self.calls, valid_text(item["name"]),
+                               arguments_json(item["arguments"])))  # fmt: skip
             self.calls += 1
 
     def switch(self, to: str, marker: str) -> None:
@@ -142,6 +198,16 @@ class Parts:
             self.logprobs = []
 
     def parse(self, markup: str, end: str) -> bool:
+        if self.emit_calls(markup):
+            return True
+        self.state = CONTENT
+        self.trim = False
+        self.out(self.start_marker + markup + end)  # as written: nothing is lost
+        return False
+
+    def emit_calls(self, markup: str) -> bool:
+        """The calls the family's parser reads in ``markup``, sent; False (nothing sent)
+        when it reads none."""
         try:
             if self.parser is None:  # markup is only looked for with a parser: never here
                 raise ValueError("no tool parser")
@@ -155,9 +221,6 @@ class Parts:
             if not found:
                 raise ValueError("no function name in it")
         except Exception:  # the family's parser: ValueError, JSONDecodeError, KeyError, ...
-            self.state = CONTENT
-            self.trim = False
-            self.out(self.start_marker + markup + end)  # as written: nothing is lost
             return False
         for name, arguments, call_id in found:
             arguments = arguments if isinstance(arguments, str) else arguments_json(arguments)

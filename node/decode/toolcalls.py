@@ -340,6 +340,18 @@ def pythonic(w: Writer, call: Call) -> str:
     return f'{w.lit(call.name)} "(" {call.arguments(w, item, sep=chr(34) + ", " + chr(34))} ")"'
 
 
+def python_calls(markup: str) -> bool:
+    """Whether ``markup`` is a Python list of calls (mlx-lm's pythonic parser reads calls out
+    of text that is not one, a string cut short among them)."""
+    import ast
+
+    try:
+        tree = ast.parse(markup.strip(), mode="eval").body
+    except (SyntaxError, ValueError):
+        return False
+    return isinstance(tree, ast.List) and all(isinstance(e, ast.Call) for e in tree.elts)
+
+
 @dataclass(frozen=True)
 class Format:
     call: Callable[[Writer, Call], str]
@@ -347,23 +359,49 @@ class Format:
     sep: str = ""  # between two calls (Lark)
     inner: tuple[str, str] = ("", "")  # inside a section, around its calls (Lark)
     sep_marker: str = ""  # between two calls, a marker (text in this model's tokens)
+    # a section cut short (max_tokens): where a call inside it ends, and what closes the
+    # section's text there, so that the calls written whole are still read (node.decode.parts)
+    call_end: str = ""
+    closers: tuple[str, ...] = ("",)
+    whole: Callable[[str], bool] = lambda markup: True  # a lenient parser's text checked
 
 
 FORMATS: dict[str, Format] = {
     "json_tools": Format(json_tools, sep='"\\n"?'),
-    "mistral": Format(mistral_json, section=True, sep='"," " "?', inner=('"["', '"]"')),
+    "mistral": Format(
+        mistral_json,
+        section=True,
+        sep='"," " "?',
+        inner=('"["', '"]"'),
+        call_end="}",
+        closers=("]",),
+    ),
     "qwen3_coder": Format(qwen3_coder, sep='"\\n"?'),
     "glm47": Format(key_value("arg"), sep='"\\n"?'),
     "laguna": Format(key_value("arg"), sep='"\\n"?'),
     "longcat": Format(key_value("longcat_arg"), sep='"\\n"?'),
-    "kimi_k2": Format(kimi_k2, section=True),
-    "kimi_k3": Format(kimi_k3, section=True, sep='"\\n"?', inner=('"\\n"?', '"\\n"?')),
-    "minimax_m2": Format(minimax_m2, section=True),
-    "muse_spark": Format(muse_spark, section=True),
+    "kimi_k2": Format(kimi_k2, section=True, call_end="<|tool_call_end|>"),
+    "kimi_k3": Format(
+        kimi_k3,
+        section=True,
+        sep='"\\n"?',
+        inner=('"\\n"?', '"\\n"?'),
+        call_end="<|close|>call<|sep|>",
+    ),
+    "minimax_m2": Format(minimax_m2, section=True, call_end="</invoke>"),
+    "muse_spark": Format(muse_spark, section=True, call_end="</atem:invoke>"),
     "minicpm5": Format(minicpm5),
     "gemma4": Format(gemma('<|"|>')),
     "function_gemma": Format(gemma("<escape>", r"[^}]"), sep=""),
-    "pythonic": Format(pythonic, section=True, sep='", "', inner=('"["', '"]"')),
+    "pythonic": Format(
+        pythonic,
+        section=True,
+        sep='", "',
+        inner=('"["', '"]"'),
+        call_end=")",
+        closers=("]",),
+        whole=python_calls,
+    ),  # fmt: skip
 }
 
 
@@ -380,7 +418,12 @@ def format_of(tokenizer) -> Format | None:
     answered as JSON: ``json_answer``)."""
     family = family_of(tokenizer)
     if family == "mistral" and "[ARGS]" in str(getattr(tokenizer, "chat_template", "") or ""):
-        return Format(mistral_args, section=True, sep_marker="[TOOL_CALLS]")  # v11 templates
+        return Format(
+            mistral_args,
+            section=True,
+            sep_marker="[TOOL_CALLS]",  # v11 templates
+            call_end="}",
+        )
     return FORMATS.get(family or "")
 
 

@@ -741,7 +741,12 @@ class Scheduler:
     def answered(self, flight: Flight, stats: dict) -> None:
         """The end of an answer: what its parts still hold, then its stats (a tool call
         that ended the answer makes it finish with "tool_calls", as OpenAI's do)."""
-        if flight.parts is not None and flight.parts.finish() and stats["finish_reason"] == "stop":
+        cut = stats["finish_reason"] == "length"
+        if (
+            flight.parts is not None
+            and flight.parts.finish(cut)
+            and stats["finish_reason"] == "stop"
+        ):
             stats = {**stats, "finish_reason": "tool_calls"}
         self.emit(Stats(**stats, request=flight.request.id))
         self.inbox.ended(flight)

@@ -229,3 +229,57 @@ def test_an_llguidance_panic_is_a_refusal_not_a_crash(monkeypatch):
     assert why.startswith("llguidance failed on this grammar (index out of bounds")
     with pytest.raises(core_grammar.BadGrammar, match="llguidance failed"):
         core_grammar.checked("start: /panics/\n")
+
+
+def cut_parts(wrapper, tools, text: str, json_calls: str | None = None):
+    events: list = []
+    parts = Parts("r", wrapper, tools, True, events.append, json_calls=json_calls)
+    parts.feed(text)
+    parts.finish(cut=True)
+    content = "".join(e.text for e in events if isinstance(e, Piece))
+    return [e for e in events if isinstance(e, ToolCall)], content
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_calls_cut_by_max_tokens_return_those_written_whole_and_drop_the_cut_one(speaking, family):
+    """A forced answer of several calls, cut anywhere (as max_tokens cuts it): the calls
+    written whole before the cut come back, in order, as they would uncut; the one cut is
+    dropped; no markup becomes content, no call breaks its schema (before: GLM gave the cut
+    call with arguments {}, Qwen3-Coder's markup came back as content)."""
+    wrapper, path = speaking(family)
+    weather = FLAT if family == "function_gemma" else WEATHER
+    tools = [weather, NOW]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    grammar = tool_grammar(wrapper, tools, "required", special=llguidance_of(wrapper))
+    checked = 0
+    for seed in range(8):
+        text, ended = walk(wrapper, path, grammar, seed)
+        whole, _ = calls_of(wrapper, text, tools)
+        if not ended or len(whole) < 2:
+            continue
+        ids = wrapper._tokenizer.encode(text, add_special_tokens=False)
+        for k in sorted({len(ids) * i // 24 for i in range(1, 24)}):  # a cut between tokens
+            cut = wrapper._tokenizer.decode(ids[:k])
+            calls, content = cut_parts(wrapper, tools, cut)
+            assert not content.strip(), (family, cut, content)
+            assert [(c.name, c.arguments) for c in calls] == [
+                (c.name, c.arguments) for c in whole[: len(calls)]], (family, cut)  # fmt: skip
+            for call in calls:
+                jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+            checked += 1
+        # cut in its last call: every call before it comes back
+        calls, _ = cut_parts(wrapper, tools, wrapper._tokenizer.decode(ids[:-2]))
+        assert len(calls) >= len(whole) - 1, (family, text, calls)
+    assert checked, f"{family}: no answer of two calls or more among the seeds"
+
+
+def test_a_json_answer_cut_by_max_tokens_returns_the_calls_written_whole(speaking):
+    wrapper, _ = speaking("json_tools")
+    text = ('[{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": '
+            '{"city": "Lima", "unit": "celsius", "days": 2}}, {"name": "get_weather", '
+            '"arguments": {"city": "Pa')  # fmt: skip
+    calls, content = cut_parts(wrapper, [WEATHER, NOW], text, json_calls="required")
+    assert [c.name for c in calls] == ["now", "get_weather"] and not content
+    assert json.loads(calls[1].arguments)["city"] == "Lima"
+    calls, content = cut_parts(wrapper, [WEATHER], '{"city": "Pa', json_calls="get_weather")
+    assert not calls and not content
