@@ -201,7 +201,8 @@ LOG_PREFIX = "mlx-cluster: "
 
 
 class Fleet:
-    """The groups behind one endpoint, as the HTTP API sees one Service."""
+    """The groups behind one endpoint, as the HTTP API sees one Service; serve always has
+    one, of one group without --replicas (``alone``)."""
 
     def __init__(self, groups: list[Service], metrics: Metrics, routing: str = "prefix"):
         self.groups = groups
@@ -233,7 +234,16 @@ class Fleet:
     def refused_grammar(self, request):
         return self.groups[0].refused_grammar(request)
 
+    @property
+    def alone(self) -> bool:
+        """A fleet of one group (serve without --replicas): no routing, and the group's own
+        /health, /v1/cluster and /metrics, as a lone group's."""
+        return len(self.groups) == 1
+
     def submit(self, req: ApiRequest) -> None:
+        if self.alone:
+            self.groups[0].submit(req)
+            return
         g, reason = self.route(req)
         if self.prefillers and req.request.kind != "count":
             self.hand_off(req, self.groups[g])
@@ -361,12 +371,16 @@ class Fleet:
     # what /health, /v1/cluster and /metrics say: each group, and the fleet
 
     def health(self) -> dict:
+        if self.alone:
+            return self.groups[0].health()
         groups = [{"group": g.group, **g.health(), **self.figures(g)} for g in self.groups]
         return {**self.summary(groups), "groups": groups}
 
     def cluster(self) -> dict:
         from cluster.serve.overview import handoffs, percentiles, rates
 
+        if self.alone:
+            return self.groups[0].cluster()
         groups = [{"group": g.group, **g.cluster(), **self.figures(g)} for g in self.groups]
         answers = [a for g in self.groups for a in g.ask(lambda g=g: list(g.answers))]
         now = time.time()

@@ -19,7 +19,7 @@ from cluster.core.hostfile import Host, Hostfile, HostfileError
 from cluster.core.spec import JobSpec, LaunchSettings
 from cluster.job.launcher import LaunchError, log, run_job
 from cluster.job.memory import fits
-from cluster.job.signals import Interrupted, drain, restore_signals, trap_signals
+from cluster.job.signals import Interrupted, drain, restore_signals
 from cluster.serve.api.stored import ResponseStore
 from cluster.serve.fleet import Fleet, GroupLog, GroupPlan, plan_groups
 from cluster.serve.http import Api, raise_open_files
@@ -62,22 +62,24 @@ def serve_until_done(
     except HostfileError as e:
         log(stderr, f"error: {e}")
         return 2
-    fleet: Fleet | None = None
-    if len(plans) == 1:
-        services = [Service(hostfile, spec, stderr)]
-        front: Service | Fleet = services[0]
+    if len(plans) == 1:  # a fleet of one: its log lines and /metrics as a lone group's
+        services = [Service(plans[0].hostfile, plans[0].spec, stderr)]
+        metrics = services[0].metrics
     else:
-        metrics = Metrics(lambda: [], groups=lambda: fleet.rank_figures() if fleet else [])
+        fleet_of: list[Fleet] = []
+        metrics = Metrics(lambda: [], groups=lambda: fleet_of[0].rank_figures() if fleet_of else [])
         logs = [cast(IO[str], GroupLog(stderr, i)) for i in range(len(plans))]
         services = [Service(p.hostfile, p.spec, logs[i], metrics=metrics, group=i)
                     for i, p in enumerate(plans)]  # fmt: skip
-        front = fleet = Fleet(services, metrics, settings.routing)
+    fleet = Fleet(services, metrics, settings.routing)
+    if len(plans) > 1:
+        fleet_of.append(fleet)
     try:
         api = Api(
             settings.host,
             settings.port,
             settings.api_key,
-            front,
+            fleet,
             max_body_bytes=int(settings.max_body_mb * (1 << 20)),
             read_timeout=settings.read_timeout,
             max_connections=settings.max_connections,
@@ -97,39 +99,24 @@ def serve_until_done(
         log(stderr, f"warning: {warning}")
     api.start()
     host, port = api.address
-    front.url = f"http://{host}:{port}/v1"
-    log(stderr, f"API on {front.url} (requests wait until the ranks are ready)")
+    fleet.url = f"http://{host}:{port}/v1"
+    log(stderr, f"API on {fleet.url} (requests wait until the ranks are ready)")
     try:
-        if fleet is None:
-            return serve_one(services[0], plans[0], started, stderr)
-        for i, plan in enumerate(plans):
-            log(stderr, f"group {i}: {plan.label}")
-        log(stderr, f"{len(plans)} groups; requests routed by {settings.routing}")
+        if len(plans) > 1:
+            for i, plan in enumerate(plans):
+                log(stderr, f"group {i}: {plan.label}")
+            log(stderr, f"{len(plans)} groups; requests routed by {settings.routing}")
         return serve_groups(services, plans, started, stderr)
     finally:
         api.stop()
 
 
-def serve_one(service: Service, plan: GroupPlan, started: float | None, stderr: IO[str]) -> int:
-    """One group, on this thread: each job traps the signals itself (a drain, then a stop)."""
-    previous = trap_signals()  # between jobs a signal ends serve; a job traps its own
-    why = "the server is shutting down"
-    try:
-        code, why = supervise(service, plan, started, stderr)
-        return code
-    except Interrupted as e:
-        log(stderr, f"stopped by {signal.Signals(e.signum).name}; no ranks are running")
-        return 128 + e.signum
-    finally:
-        restore_signals(previous)
-        service.close(why)
-
-
 def serve_groups(
     services: list[Service], plans: list[GroupPlan], started: float | None, stderr: IO[str]
 ) -> int:
-    """Every group on a thread of its own; this thread takes the signals: the first SIGINT or
-    SIGTERM drains every group, the next one (or SIGHUP) stops them all."""
+    """Every group (one alone too) on a thread of its own; this thread takes the signals: the
+    first SIGINT or SIGTERM drains every group (when none has ranks to drain: stops them),
+    the next one (or SIGHUP) stops them all."""
     stop = threading.Event()
     wake = threading.Event()  # a signal came: a group in backoff ends its wait
     stopped_by: list[int] = []
@@ -149,13 +136,17 @@ def serve_groups(
         wake.set()  # a group waiting for a lost host looks again now
         if not stopped_by and signum in (signal.SIGINT, signal.SIGTERM) and not draining[0]:
             draining[0] = True
+            drained = False
             for s in services:
-                if s.running is None or not drain(s.running):
-                    s.draining()
-                    if s.running is not None:
-                        s.running.interrupt(signum)
-            return
-        stopped_by.append(signum)
+                if s.running is not None and drain(s.running):
+                    drained = True
+                    continue
+                s.draining()
+                if s.running is not None:
+                    s.running.interrupt(signum)
+            if drained:
+                return
+        stopped_by.append(signum)  # nothing to drain (no ranks ready), or a second signal
         stop.set()
         for s in services:
             if s.running is not None:

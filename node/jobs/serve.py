@@ -173,22 +173,35 @@ class Inbox:
         self.lines.put(flight)
 
     def prepare_all(self) -> None:
+        """Requests in the order they came; one with a grammar (its building and checking
+        take a tenth of a second or more) on a thread of its own, so that the requests
+        behind it are not held up. Every request before the drain is prepared before
+        ``prepared_all``."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        grammars = ThreadPoolExecutor(1, thread_name_prefix="prepare-grammar")
         while (flight := self.lines.get()) is not None:
             if flight.cancel.is_set():
                 self.ended(flight)
-                continue
-            try:
-                ready = self.prepare(flight)
-            except Exception as e:  # a bug in preparing must not end the thread, nor the request
-                self.log(f"serve: could not prepare request {flight.request.id}: {e!r}")
-                self.failed(flight.request.id, f"rank 0 could not prepare it ({type(e).__name__})")
-                ready = None
-            if ready is None:
-                self.ended(flight)
+            elif flight.request.constraint is not None:
+                grammars.submit(self.prepare_one, flight)
             else:
-                self.flights.put(ready)
+                self.prepare_one(flight)
+        grammars.shutdown(wait=True)
         self.prepared_all.set()
         self.flights.put(None)
+
+    def prepare_one(self, flight: Flight) -> None:
+        try:
+            ready = self.prepare(flight)
+        except Exception as e:  # a bug in preparing must not end the thread, nor the request
+            self.log(f"serve: could not prepare request {flight.request.id}: {e!r}")
+            self.failed(flight.request.id, f"rank 0 could not prepare it ({type(e).__name__})")
+            ready = None
+        if ready is None:
+            self.ended(flight)
+        else:
+            self.flights.put(ready)
 
     def ended(self, flight: Flight) -> None:
         self.known.pop(flight.request.id, None)

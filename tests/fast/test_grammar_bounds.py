@@ -288,3 +288,36 @@ def test_the_batchs_grammars_masked_together_pick_the_tokens_each_alone_picks(qw
         GenerationBatch._step = own
     assert together == alone
     assert alone[0][0] != alone[0][2]  # the grammars did constrain (the free stream differs)
+
+
+def test_a_request_with_a_grammar_does_not_hold_up_the_ones_behind_it_in_prepare():
+    """Rank 0 prepares a request with a grammar (building and checking it: 0.1 s for a tool
+    of 300 properties, seconds before issue 62) on a thread of its own: a plain request sent
+    after it is ready first (beside three such tools a neighbour's answer took 4.8x its time
+    alone, 1.3x now: tests/bench/tool_neighbour.py). The drain still waits for both."""
+    import json
+    import os
+    import threading
+
+    from cluster.core.spec import Constraint, Sampling, ServeRequest, to_dict
+    from node.jobs.serve import Inbox
+
+    release = threading.Event()
+
+    def prepare(flight):
+        if flight.request.constraint is not None:
+            assert release.wait(10)
+        return flight
+
+    r, w = os.pipe()
+    inbox = Inbox(os.fdopen(r, "rb"), lambda m: None, prepare)
+    for rid, constraint in [("wide", Constraint(tools="strict")), ("plain", None)]:
+        req = ServeRequest(id=rid, kind="completion", sampling=Sampling(), prompt="x",
+                           constraint=constraint)  # fmt: skip
+        os.write(w, json.dumps({"op": "request", "request": to_dict(req)}).encode() + b"\n")
+    assert inbox.flights.get(timeout=10).request.id == "plain"
+    os.close(w)  # the drain: prepared_all waits for the grammar's request
+    assert not inbox.prepared_all.wait(0.2)
+    release.set()
+    assert inbox.flights.get(timeout=10).request.id == "wide"
+    assert inbox.prepared_all.wait(10) and inbox.flights.get(timeout=10) is None
