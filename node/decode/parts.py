@@ -76,6 +76,12 @@ class Parts:
             i, marker, to = min(hits)
             self.out(self.pending[:i])
             self.pending = self.pending[i + len(marker) :]
+            if self.state == TOOL and not self.emit_calls(self.call):
+                self.call += marker  # not the call's end: its text holds the marker (JSON)
+                continue
+            if self.state == TOOL:  # the call is whole, and sent
+                self.call, self.state, self.trim = "", to, True
+                continue
             self.switch(to, marker)
         cut = len(self.pending) - held_back(self.pending, [m for m, _ in edges])
         self.out(self.pending[:cut])

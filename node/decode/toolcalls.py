@@ -90,9 +90,27 @@ class Writer:
 
     def string(self, schema: dict, close: str) -> str:
         """A string parameter as raw text, then ``close``: its enum's values, or text within
-        its length bounds (its pattern is not followed: the text is free)."""
+        its length bounds (its pattern is not followed: the text is free). Only the values
+        the parsers read back as written (``raw_text_reads_back``); ValueError when none is
+        left."""
         values = enum_strings(schema)
         if values is not None:
+            ends = [
+                close,
+                *filter(
+                    None,
+                    (
+                        getattr(self.tokenizer, "tool_call_start", None),
+                        getattr(self.tokenizer, "tool_call_end", None),
+                    ),
+                ),
+            ]
+            typed = schema.get("type") == "string"
+            values = [v for v in values if raw_text_reads_back(v, ends, typed)]
+            if not values:
+                shown = schema.get("enum", schema.get("const"))
+                raise ValueError(f"no value of {shown!r} can be written as raw text in this "
+                                 "model's tool-call format")  # fmt: skip
             return f"({' | '.join(self.lit(v) for v in values)}) {self.lit(close)}"
         return self.text_until(close, bounded(schema))
 
@@ -139,6 +157,60 @@ def bounded(schema: dict, char: str = r"(.|\n)") -> str:
         return f"{char}*"
     low = low if isinstance(low, int) else 0
     return f"{char}{{{low},{high if isinstance(high, int) else ''}}}"
+
+
+def raw_text_reads_back(value: str, ends: list[str], typed: bool) -> bool:
+    """Whether mlx-lm's key/value parsers give ``value`` back as written, as raw text before
+    its closing marker: it holds none of ``ends`` (where the parameter or the call ends),
+    they strip it, some read ``null`` as null, and an enum without ``"type": "string"``
+    (``typed``) is read as JSON where it parses as JSON."""
+    if not value or value != value.strip() or any(m in value for m in ends):
+        return False
+    if value.lower() in ("null", "none", "nil"):
+        return False
+    if not typed:
+        try:
+            return isinstance(json.loads(value), str)
+        except ValueError:
+            return True
+    return True
+
+
+# What a tool's name and its parameters' names may be in each format: the characters its
+# markup and its parser take as a name (a name outside them is a 400 naming the tool)
+IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+NAMES: dict[str, tuple[str, str]] = {  # family -> (tool name, parameter name)
+    "pythonic": (r"[A-Za-z_][A-Za-z0-9_.]*", IDENTIFIER),
+    "gemma4": (r"[A-Za-z0-9_.]+", IDENTIFIER),
+    "function_gemma": (r"[A-Za-z0-9_.]+", IDENTIFIER),
+    "qwen3_coder": (r"[^<>\s]+", r"[^<>\s]+"),
+    "glm47": (r"[^<>\s]+", r"[^<>\s](?:[^<>\n]*[^<>\s])?"),
+    "laguna": (r"[^<>\s]+", r"[^<>\s](?:[^<>\n]*[^<>\s])?"),
+    "longcat": (r"[^<>\s]+", r"[^<>\s](?:[^<>\n]*[^<>\s])?"),
+    "minimax_m2": (r"[^<>\"\s]+", r"[^<>\"\s](?:[^<>\"\n]*[^<>\"\s])?"),
+    "muse_spark": (r"[^<>\"\s]+", r"[^<>\"\s](?:[^<>\"\n]*[^<>\"\s])?"),
+    "minicpm5": (r"[^<>\"\s]+", r"[^<>\"\s](?:[^<>\"\n]*[^<>\"\s])?"),
+    "kimi_k2": (r"[^:<>\s]+", ".+"),
+    "kimi_k3": (r"[^<>\"\s]+", ".+"),
+    "mistral": (r"[A-Za-z0-9_-]+", ".+"),
+    "json_tools": (".+", ".+"),
+}
+
+
+def writable_names(family: str, calls: list[Call]) -> None:
+    """ValueError naming a tool or parameter whose name ``family``'s markup cannot carry."""
+    import re
+
+    name_rule, key_rule = NAMES.get(family, (".+", ".+"))
+    for call in calls:
+        if not re.fullmatch(name_rule, call.name, re.DOTALL):
+            raise ValueError(f"tool {call.name[:80]!r}: its name cannot be written in this "
+                             f"model's tool-call format ({family})")  # fmt: skip
+        for key, _, _ in call.properties:
+            if not re.fullmatch(key_rule, key, re.DOTALL):
+                raise ValueError(f"tool {call.name[:80]!r}: parameter {key[:80]!r} cannot "
+                                 f"be written in this model's tool-call format "
+                                 f"({family})")  # fmt: skip
 
 
 def enum_strings(schema: dict) -> list[str] | None:
@@ -312,6 +384,10 @@ def gemma(quote: str, char: str = r"(.|\n)") -> Callable[[Writer, Call], str]:
             if is_string(schema):
                 values = enum_strings(schema)
                 if values is not None:
+                    values = [v for v in values if quote not in v and v == v.strip()]
+                    if not values:
+                        raise ValueError(f"no value of {schema.get('enum')!r} can be written "
+                                         "in this model's tool-call format")  # fmt: skip
                     return f"({' | '.join(w.lit(quote + v + quote) for v in values)})"
                 return f"{w.lit(quote)} {w.text_until(quote, bounded(schema, char))}"
             kind = schema.get("type")
@@ -454,6 +530,8 @@ def tool_grammar(tokenizer, tools: list[dict], choice: str, think: str = "",
     calls = [Call.of(functions[n]) for n in names]
     w = Writer(tokenizer, special)
     fmt = format_of(tokenizer)
+    if fmt is not None:
+        writable_names(family_of(tokenizer) or "", calls)
     if fmt is None:
         if choice == "strict":
             return None

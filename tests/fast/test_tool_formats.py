@@ -283,3 +283,54 @@ def test_a_json_answer_cut_by_max_tokens_returns_the_calls_written_whole(speakin
     assert json.loads(calls[1].arguments)["city"] == "Lima"
     calls, content = cut_parts(wrapper, [WEATHER], '{"city": "Pa', json_calls="get_weather")
     assert not calls and not content
+
+
+HOSTILE = ["null", "None", "</tool_call>", 'a"b', "x\ny", " spaced ", "true", "5", "{}",
+           '<|"|>', "</arg_value>", "</parameter>", "]]>", "a,b", "c}", "d)", "'q'", "\\",
+           "plain"]  # fmt: skip
+
+
+def hostile_tool(name: str, key: str, typed: bool) -> dict:
+    value = {"enum": HOSTILE, **({"type": "string"} if typed else {})}
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {key: value, "n": {"type": ["integer", "null"]},
+                                         "free": {"type": "string", "maxLength": 16}},
+        "required": [key, "n"]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_what_a_grammar_allows_parses_back_to_the_call_it_spells(speaking, family):
+    """Hostile names and values (markers, quotes, newlines, "null", spaces, JSON look-alikes):
+    each call the grammar lets the model write comes back from the family's parser with that
+    tool's name, a value of the enum exactly (a string, never null or a number), the other
+    arguments of their types; a name or value the format cannot carry is never written (a
+    name: the tool is refused, naming it; a value: left out of the grammar). Before: "null"
+    came back as null, a value holding a marker gave no call, a name with a space or ">"
+    came back as another name."""
+    wrapper, path = speaking(family)
+    special = llguidance_of(wrapper)
+    written = 0
+    for name, key in [("get_weather", "city"), ("get weather", "city name"), ("a>b", 'k"ey'),
+                      ("ns.tool", "x-y")]:  # fmt: skip
+        for typed in (True, False):
+            tools = [hostile_tool(name, key, typed)]
+            try:
+                grammar = tool_grammar(wrapper, tools, "required", special=special)
+            except ValueError as e:
+                assert "cannot be written" in str(e) and name != "get_weather", e
+                continue
+            node_grammar.check(grammar)
+            for seed in range(4):
+                text, ended = walk(wrapper, path, grammar, seed)
+                if not ended:
+                    continue
+                calls, content = calls_of(wrapper, text, tools)
+                assert calls and not content.strip(), (family, text, content)
+                for call in calls:
+                    args = json.loads(call.arguments)
+                    assert call.name == name, (family, text)
+                    assert isinstance(args[key], str) and args[key] in HOSTILE, (family, text)
+                    assert args["n"] is None or type(args["n"]) is int, (family, text)
+                    assert isinstance(args.get("free", ""), str), (family, text)
+                    written += 1
+    assert written >= 8, family
