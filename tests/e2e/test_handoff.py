@@ -80,6 +80,10 @@ def test_a_long_prompt_is_prefilled_by_the_prefill_group_and_answers_as_one_proc
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1  # the KV came
     metrics = get(split, "/metrics")[1]
     assert re.search(r'mlx_cluster_handoffs_total\{group="0"\} 1.0', metrics), metrics
+    # each decode rank's door says what it holds: nothing, once the handoff was adopted
+    held = r'mlx_cluster_rank_handoff_held_bytes\{group="1",host="[^"]+",rank="{}"\} 0.0'
+    wait_for(lambda: all(re.search(held.replace("{}", str(r)), get(split, "/metrics")[1])
+                         for r in (0, 1)))  # fmt: skip
     handed = json.loads(get(split, "/v1/cluster")[1])["handoffs"]  # what the page shows
     assert handed["count"] == 1 and handed["bytes"] == t["handoff_bytes"], handed
     assert handed["p50_s"] == pytest.approx(t["handoff_ms"] / 1000), handed

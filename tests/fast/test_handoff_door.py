@@ -322,3 +322,30 @@ def test_a_ranks_door_listens_on_the_hostfiles_address():
     launches = rank_launches(hf, spec, LaunchSettings(starting_port=5000))
     hosts = [json.loads(r.spec)["handoff"]["host"] for r in launches]
     assert hosts == ["10.0.0.1", "fd00::2"]
+
+
+def test_a_thread_that_cannot_start_pauses_the_door_and_it_goes_on(monkeypatch):
+    """No thread to be had for a connection (the rank's threads run out): that connection is
+    closed, the door says so and waits, and the next sender gets through."""
+    import node.rank.handoff as module
+
+    said: list[str] = []
+    real = threading.Thread
+    failures = [1]
+
+    class Refusing(real):
+        def start(self):
+            serving = getattr(getattr(self, "_target", None), "__name__", "") == "_serve"
+            if serving and failures[0]:
+                failures[0] -= 1
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    door = Door(LAYOUT, KEY, head_dim=HEAD_DIM, log=said.append)
+    monkeypatch.setattr(module.threading, "Thread", Refusing)
+    try:
+        assert send_prompt(door.port) is None  # the first link is dropped, the sender retries
+        wait_for(lambda: door.complete("t1"), timeout=10)
+        assert any("cannot start a thread" in line for line in said), said
+    finally:
+        door.close()
