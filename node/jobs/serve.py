@@ -91,6 +91,7 @@ class Flight:
     parts: Parts | None = None  # its text as the API returns it (set once it is prepared)
     shared: SharedRequest | None = None  # what every rank gets (once prepared)
     size: int = 0  # bytes of ``shared`` as share_object sends it
+    handed: str = ""  # a handed-off prompt's tokens_digest (made on the prepare thread)
 
 
 class Inbox:
@@ -422,6 +423,8 @@ class Scheduler:
                     raise Refusal(f"'{r.constraint.source or 'grammar'}': {known}")
             shared.cache_key = r.cache_key
             flight.shared, flight.size = shared, shared_size(shared)
+            if r.handoff is not None:  # what its handed-off KV must stand for: not on the loop
+                flight.handed = tokens_digest(tokens[:-1])
         except Refusal as e:
             self.emit(Refused(r.id, 400, str(e)))
             return None
@@ -452,7 +455,7 @@ class Scheduler:
                 self.inbox.ended(flight)
                 return
             self.awaiting[handoff.ticket] = (flight, flight.shared, time.monotonic())
-            self.expecting.append(Expect(handoff.ticket, tokens_digest(flight.shared.tokens[:-1])))
+            self.expecting.append(Expect(handoff.ticket, flight.handed))
         else:
             self.waiting.append((flight, flight.shared))
 

@@ -186,6 +186,7 @@ class Received:
     """A ticket's frames on one decode rank, as they come."""
 
     tokens: list[int] | None = None  # the tokens the KV stands for (the senders' end frames)
+    digest: str = ""  # theirs (tokens_digest), made once on the link's thread
     total: int = 0
     expected: set[int] = field(default_factory=set)  # senders that have pieces for this rank
     ended: dict[int, int] = field(default_factory=dict)  # sender -> frames it counted
@@ -340,6 +341,8 @@ class Door:
                 if got.tokens is not None and got.tokens != tokens:
                     self._fail(got, "the senders' end frames name different tokens")
                     return
+                if got.tokens is None:
+                    got.digest = tokens_digest(tokens)
                 got.tokens, got.total = tokens, len(tokens)
                 return
             name, shape = header["dtype"], list(header["shape"])
@@ -386,7 +389,7 @@ class Door:
                 got.frames.get(s, 0) != n for s, n in got.ended.items()
             ):
                 return False
-            if tokens is not None and tokens_digest(got.tokens or []) != tokens:
+            if tokens is not None and got.digest != tokens:
                 self._fail(got, "the handed-off tokens are not the waiting request's prompt")
                 return False
             return covered(got, self.layout)

@@ -205,6 +205,8 @@ def flight(rid: str, ticket: str | None, prompt: int = 8, copy: bool = False):
     handoff = HandoffTicket(ticket, doors=doors) if ticket else None
     f = ns.Flight(ServeRequest(id=rid, kind="completion", sampling=Sampling(), handoff=handoff))
     f.shared = SharedRequest(Sampling(max_tokens=4), list(range(1, prompt + 1)))
+    if ticket:  # as rank 0's prepare thread makes it
+        f.handed = tokens_digest(f.shared.tokens[:-1])
     return f
 
 
