@@ -59,6 +59,12 @@ def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+# How long a rank waits for its peers to start (the launcher's START): longer than a heartbeat,
+# since the launcher starts remote ranks one after another and a loaded host imports MLX for
+# seconds; a launcher that is gone ends the rank sooner (its watcher).
+START_WAIT_S = 120.0
+
+
 def write_text(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
@@ -77,7 +83,7 @@ def run(spec: JobSpec) -> None:
     report_gpu(emit, spec.device)
     emit(Phase("init"))
     # every rank joins at the launcher's START, together (cluster.core.protocol.START)
-    if not wait_for_start(spec.launcher_timeout):
+    if not wait_for_start(max(spec.launcher_timeout, START_WAIT_S)):
         raise RuntimeError("the launcher never said START: another rank did not get ready")
     group = init_group(spec.world_size, spec.backend)
     write = write_text if group.rank() == 0 else None
