@@ -132,7 +132,7 @@ def run(spec: JobSpec) -> None:
         check_request(loaded.config, spec.command, False, repr(loaded.config["model_type"]))
     disk = None
     if spec.command in ("chat", "serve", "generate"):
-        from node.jobs.diskcache import open_disk_cache
+        from node.cache.disk import open_disk_cache
 
         disk = open_disk_cache(loaded, spec, group, log, lambda m: emit(Notice(m)))
     JOBS[spec.command](Job(spec, group, loaded, emit, log, write, disk))

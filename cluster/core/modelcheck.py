@@ -166,12 +166,65 @@ def choose_split(
     layers = num_layers(config)
     if layers is None or num_ranks < 2:
         return None
+    tail = kv_shared_tail(config)
     if split:
         check_split(split, layers, num_ranks)
+        if tail is not None and split[0] < layers - tail:
+            raise ModelError(
+                f"--split {','.join(map(str, split))}: this model's last "
+                f"{layers - _kv_shared(config)} layers reuse the keys and values of layers "
+                f"from {tail} on, so the last stage (the first entry) must hold layers "
+                f"{tail}-{layers - 1}: give it at least {layers - tail}, or use --mode tensor"
+            )
         return list(split)
+    if tail is not None:
+        return tail_split(weights or [1.0] * num_ranks, layers, layers - tail)
     if weights and len(set(weights)) > 1:
         return weighted_split(weights, layers)
     return None
+
+
+def _kv_shared(config: dict[str, Any]) -> int:
+    shared = text_config(config).get("num_kv_shared_layers")
+    return shared if isinstance(shared, int) and shared > 0 else 0
+
+
+def kv_shared_tail(config: dict[str, Any]) -> int | None:
+    """Gemma 4's (and 3n's) last ``num_kv_shared_layers`` layers attend over the keys and values
+    the last earlier layer of their kind (sliding or full) made, handed on within the forward
+    pass: the first layer that one pipeline stage must hold with all that follow (None: no
+    sharing). Handing a stage's keys and values to the next would cost a KV cache per token."""
+    shared, n = _kv_shared(config), num_layers(config)
+    if not shared or n is None or shared >= n:
+        return None
+    cfg = text_config(config)
+    kinds = cfg.get("layer_types")
+    if not (isinstance(kinds, list) and len(kinds) == n):
+        pattern = cfg.get("sliding_window_pattern") or 5
+        kinds = ["sliding_attention"] * (pattern - 1) + ["full_attention"]
+        kinds = (kinds * (n // len(kinds) + 1))[:n]
+    first = n - shared
+    sources = [
+        max((i for i in range(first) if kinds[i] == k), default=first) for k in kinds[first:]
+    ]
+    return min(sources, default=first)
+
+
+def tail_split(weights: list[float], layers: int, last: int) -> list[int]:
+    """A split whose last stage (rank 0) holds at least ``last`` layers, the others in
+    proportion to ``weights`` (kv_shared_tail)."""
+    n = len(weights)
+    if layers - last < n - 1:
+        raise ModelError(
+            f"this model's last {last} layers share keys and values and must stay on one "
+            f"stage, which leaves {layers - last} layers for {n - 1} more ranks; "
+            f"use at most {layers - last + 1} ranks, or --mode tensor"
+        )
+    split = weighted_split(weights, layers)
+    if split[0] >= last:
+        return split
+    rest = weighted_split(weights[1:], layers - last) if n > 1 else []
+    return [last, *rest]
 
 
 def weighted_split(weights: list[float], layers: int) -> list[int]:

@@ -103,6 +103,21 @@ def mlp_shares(heads: list[tuple[int, int]], kv: list[list[int]], inter: Any, hi
     return shares if min(shares) > 0 else None
 
 
+def head_split(
+    n_heads: int, n_kv: int, weights: Sequence[float], heads_unit: int = 1
+) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """Query heads and the KV heads they use, per rank: contiguous spans in proportion to
+    ``weights``, or on whole KV groups when that loads the busiest rank less."""
+    heads = spans(n_heads, weights, heads_unit)
+    kv = [kv_heads_for(s, n_heads, n_kv) for s in heads]
+    whole = by_kv_groups(n_heads, n_kv, weights, heads_unit)
+    if whole is not None and attention_load(whole, weights) < attention_load(
+        list(zip(heads, kv, strict=True)), weights
+    ):
+        heads, kv = [h for h, _ in whole], [k for _, k in whole]
+    return heads, kv
+
+
 @dataclass
 class TensorPlan:
     heads: list[tuple[int, int]]  # query heads per rank
@@ -111,6 +126,20 @@ class TensorPlan:
     mlp: list[tuple[int, int]] | None  # intermediate columns per rank (dense MLP)
     moe: list[tuple[int, int]] | None  # per-expert intermediate columns per rank
     shared: list[tuple[int, int]] | None  # shared experts' intermediate columns per rank
+    weights: list[float] | None = None  # each rank's share (None: equal)
+    heads_unit: int = 1  # query heads per span step (quantization groups)
+    group: int = 0  # quantization group size (0: not quantized)
+
+    def attention(self, n_heads: int, n_kv: int) -> tuple[list[tuple[int, int]], list[list[int]]]:
+        """The split of an attention whose head counts differ from the config's (mimo's
+        sliding layers have their own), by the same rule; the plan's own for the config's."""
+        if n_kv == self.n_kv and self.heads[-1][1] == n_heads:
+            return self.heads, self.kv
+        return head_split(n_heads, n_kv, self.weights or [1.0] * len(self.heads), self.heads_unit)
+
+    def columns(self, width: int) -> list[tuple[int, int]]:
+        """A span of ``width`` columns per rank, by the same shares (and quantization groups)."""
+        return spans(width, self.weights or [1.0] * len(self.heads), self.group or 1)
 
     def even(self) -> bool:
         """Every rank the same share and no KV head replicated (what mlx-lm's shard() does)."""
@@ -180,14 +209,8 @@ def plan_tensor(
                 "or --mode pipeline"
             ) from None
 
-    heads = split("num_attention_heads", n_heads, heads_unit)
-    assert heads is not None  # n_heads is an int
-    kv = [kv_heads_for(s, n_heads, n_kv) for s in heads]
-    whole = by_kv_groups(n_heads, n_kv, weights, heads_unit)
-    if whole is not None and attention_load(whole, weights) < attention_load(
-        list(zip(heads, kv, strict=True)), weights
-    ):
-        heads, kv = [h for h, _ in whole], [k for _, k in whole]
+    split("num_attention_heads", n_heads, heads_unit)  # names the numbers when it cannot
+    heads, kv = head_split(n_heads, n_kv, weights, heads_unit)
     inter = cfg.get("intermediate_size")
     experts = any(k in cfg for k in ("num_local_experts", "num_experts", "n_routed_experts"))
     even_out = mlp_shares(heads, kv, inter, hidden, head_dim, weights, experts)
@@ -196,10 +219,13 @@ def plan_tensor(
         with contextlib.suppress(ValueError):  # too few columns to even out: as the weights say
             mlp = spans(inter, even_out, group or 1)
     moe = split("moe_intermediate_size", cfg.get("moe_intermediate_size"), group or 1)
-    shared = split(
-        "shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"), group or 1
-    )
-    return TensorPlan(heads, kv, n_kv, mlp, moe, shared)
+    shared_width = cfg.get("shared_expert_intermediate_size")
+    n_shared = cfg.get("n_shared_experts")
+    moe_width = cfg.get("moe_intermediate_size")
+    if shared_width is None and isinstance(n_shared, int) and isinstance(moe_width, int):
+        shared_width = n_shared * moe_width  # GLM's and DeepSeek's shared experts
+    shared = split("the shared experts' width", shared_width, group or 1)
+    return TensorPlan(heads, kv, n_kv, mlp, moe, shared, list(weights), heads_unit, group)
 
 
 def check_mode(

@@ -1,5 +1,5 @@
 """What a rank does for a command: launch's one answer (oneshot), chat, serve (with its batch),
-bench, and the prompt cache's disk tier they share (diskcache)."""
+bench (the prompt cache they share lives in node.cache)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class Job:
     emit: Callable  # an event to the launcher (cluster.core.protocol)
     log: Callable[[str], None]  # a log line (the launcher shows it with --verbose)
     write: Callable[[str], None] | None  # rank 0: the answer's text to stdout; else None
-    disk: Any = None  # node.jobs.diskcache.DiskCache: the prompt cache's disk tier, or None
+    disk: Any = None  # node.cache.disk.DiskCache: the prompt cache's disk tier, or None
 
     @property
     def rank0(self) -> bool:

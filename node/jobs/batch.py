@@ -10,7 +10,10 @@ round. Only rank 0 turns tokens into text.
 Each rank also keeps the same prompt cache (mlx-lm's LRUPromptCache, holding that rank's own
 layers or slices): a finished answer's cache is kept under its tokens, and a new request starts
 from the longest cached prefix, so a client that sends the conversation again prefills only its
-new turn. Every rank makes the same inserts and lookups in the same order. The cache is bounded
+new turn. A model whose cache cannot be cut back to a shorter prefix (linear attention, sliding
+windows) also keeps snapshots while its prompts prefill (node.cache.snapshots): the end of each
+prompt, and doubling block boundaries. Every rank makes the same inserts and lookups in the same
+order. The cache is bounded
 by count and by bytes; bytes differ from rank to rank, so after a round that kept an answer,
 one all_sum tells every rank whether any rank is over its bytes, and every rank then drops its
 least recently used entry alike, until none is.
@@ -55,11 +58,12 @@ from mlx_lm.models.cache import (
 )
 
 from cluster.core.spec import Order
+from node.cache.disk import BLOCK_TOKENS, worth_reading
+from node.cache.snapshots import segments, trimmable
 from node.decode.grammar import Constrained, compiling, mask_batch
 from node.decode.loop import STOP_CHECK_EVERY, Ticking
 from node.decode.prefill import PREFILL_STEP, prefill_step
 from node.decode.sampling import RequestFailed, tried
-from node.jobs.diskcache import BLOCK_TOKENS, worth_reading
 from node.model.stage import collectives_on, staged
 from node.rank.dist import control_stream
 from node.rank.memory import reapply_wired_limit
@@ -297,6 +301,9 @@ class Lockstep:
         self.prompt_cache = (
             LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
         )
+        # a cache that cannot be cut back keeps snapshots while prompts prefill
+        # (node.cache.snapshots); every rank alike: the same model, the same prompt cache
+        self.snapshots = self.prompt_cache is not None and not trimmable(model)
         self.cache_bytes = cache_bytes  # this rank's most bytes of kept caches
         self.group = group
         self.vocab = vocab or tokenizer.vocab_size
@@ -328,7 +335,7 @@ class Lockstep:
         self.pace = PrefillPace(prefill_step, max_stall)  # rank 0's
         self.stages = stages  # pipeline stages (1 in tensor mode)
         self.model = model
-        self.disk = disk  # node.diskcache.DiskCache: the tier under the prompt cache
+        self.disk = disk  # node.cache.disk.DiskCache: the tier under the prompt cache
         self.from_disk: dict[int, int] = {}  # the last apply's: uid -> prompt tokens from disk
         self.scopes: dict[int, str] = {}  # uid -> its prompt cache scope (prompt_cache_key)
         self.kept = 0  # answers' caches kept since the bytes were last checked
@@ -387,8 +394,9 @@ class Lockstep:
             scope = cache_scope(r.cache_key)
             cache, rest, from_disk = self.nearest(r.tokens, scope)
             m = min(range(len(self.generators)), key=lambda i: len(self.held[i]))
-            (inner,) = self.generators[m].insert(
-                [rest],
+            cached = len(r.tokens) - len(rest)
+            (inner,) = self.generators[m].insert_segments(
+                [segments(r.tokens, cached, self.snapshots)],
                 max_tokens=[r.sampling.max_tokens],
                 caches=[cache],
                 all_tokens=[r.tokens[: len(r.tokens) - len(rest)]],
@@ -462,10 +470,12 @@ class Lockstep:
             return None, tokens
         cache, rest = self.prompt_cache.fetch_nearest_cache(scope, tokens)
         if cache is not None and not rest:  # the whole prompt is cached: run its last token
-            if not can_trim_prompt_cache(cache):
-                return None, tokens
-            trim_prompt_cache(cache, 1)
-            rest = tokens[-1:]
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                return cache, tokens[-1:]
+            # a snapshot serves: the state of a shorter prefix (node.cache.snapshots)
+            cache, rest = self.prompt_cache.fetch_nearest_cache(scope, tokens[:-1])
+            return cache, [*rest, tokens[-1]]
         return cache, rest
 
     def keep(self, response) -> None:
@@ -474,12 +484,26 @@ class Lockstep:
         scope = self.scopes.pop(response.uid, MODEL_KEY)
         if self.disk is not None and response.prompt_cache is not None and scope == MODEL_KEY:
             self.disk.save(list(response.all_tokens), response.prompt_cache)
-        if self.prompt_cache is not None and response.prompt_cache is not None:
-            tokens = list(response.all_tokens)
-            self.prompt_cache.insert_cache(scope, tokens, response.prompt_cache)
-            self.kept += 1
-            if self.report_kept:
-                self.kept_now[response.uid] = tokens
+        if response.prompt_cache is not None:
+            self.hold(response.uid, scope, list(response.all_tokens), response.prompt_cache)
+
+    def hold(self, uid: int, scope: str, tokens: list[int], cache: list, kind="assistant") -> None:
+        """A cache into the prompt cache under the tokens it holds (every rank alike)."""
+        if self.prompt_cache is None:
+            return
+        self.prompt_cache.insert_cache(scope, tokens, cache, cache_type=kind)
+        self.kept += 1
+        if self.report_kept:
+            self.kept_now[uid] = tokens
+
+    def keep_snapshots(self, m: int, inner: list[int]) -> None:
+        """The caches of micro-batch ``m``'s sequences ``inner`` (generator uids) whose
+        prompt reached a snapshot point this step (node.cache.snapshots), kept as prompt
+        cache entries; "user" entries, which mlx-lm's prompt cache drops in turn with the
+        answers' when it must drop one."""
+        for g_uid, (cache, tokens) in self.generators[m].extract_cache(inner).items():
+            uid = self.held[m][g_uid]
+            self.hold(uid, self.scopes.get(uid, MODEL_KEY), list(tokens), cache, "user")
 
     def cached_ids(self) -> set[int] | None:
         """The ids of the token lists the prompt cache holds now (None: not known; mlx-lm's
@@ -539,12 +563,17 @@ class Lockstep:
         with generator.stats() as work:
             prompts, responses = generator.next()
         self.pace.measured(work.prompt_tokens, work.prompt_time)
+        ends = []
         for p in prompts:
             uid = self.held[m][p.uid]
             if p.end_of_prompt:
                 self.prefilling.pop(uid, None)
             elif uid in self.prefilling:
                 self.prefilling[uid] = p.progress
+            if p.end_of_segment and not p.end_of_prompt and self.snapshots:
+                ends.append(p.uid)
+        if ends:
+            self.keep_snapshots(m, ends)
         for r in responses:
             r.uid = self.held[m][r.uid]
             if r.finish_reason is not None:

@@ -9,6 +9,8 @@ follow-up question costs its own tokens, not the whole conversation again.
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import queue
 import threading
@@ -29,8 +31,9 @@ from cluster.core.protocol import (
     Wake,
 )
 from cluster.core.spec import SharedRequest, Template
+from node.cache.disk import BLOCK_TOKENS
+from node.cache.snapshots import trimmable
 from node.jobs import Job
-from node.jobs.diskcache import BLOCK_TOKENS
 from node.model.stage import SkippedCache
 
 COMMANDS_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) ends the session"
@@ -112,10 +115,16 @@ class TurnCache:
         self.group = group  # the job's: whether to keep the cache is decided by every rank
         self.proposer = proposer
         self.budget = budget_bytes
-        self.disk = disk  # node.diskcache.DiskCache: the tier under this one (no proposer)
+        self.disk = disk  # node.cache.disk.DiskCache: the tier under this one (no proposer)
         self.cache: list | None = None
         self.tokens: list[int] = []  # what the cache holds, in order
         self.from_disk = 0  # of the last prepared turn's tokens
+        # a cache that cannot be cut back (node.cache.snapshots) keeps its state at the end of
+        # each prompt less its last token: the next turn repeats the prompt, not always the
+        # answer as it was generated (a template may render it otherwise)
+        self.snapshots = proposer is None and not trimmable(model)
+        self.snapshot: tuple[list[int], list] | None = None
+        self.turn: list[int] = []  # the tokens of the turn being prefilled
 
     def make(self) -> list:
         cache = make_prompt_cache(self.model)
@@ -137,14 +146,26 @@ class TurnCache:
         surplus = len(held) - reused
         if surplus and not can_trim_prompt_cache(self.cache):
             self.cache, reused = self.make(), 0
+            if self.snapshot is not None:
+                before, state = self.snapshot
+                if len(before) < len(tokens) and tokens[: len(before)] == before:
+                    self.cache, reused = copy.deepcopy(state), len(before)
         elif surplus:
             trim_prompt_cache(self.cache, surplus)
+        self.turn = tokens
         self.from_disk = 0
         if self.disk is not None and len(tokens) - 1 - reused >= BLOCK_TOKENS:
             cache, n = self.disk.restore(self.model, tokens)  # every rank: the same state
             if n > reused:
                 self.cache, self.tokens, reused, self.from_disk = cache, tokens[:n], n, n
         return self.cache, tokens[reused:]
+
+    def prefilled(self, done: int, total: int) -> None:
+        """Every rank, after each prefill chunk (``done`` of the ``total`` tokens fed this
+        turn): at the end of the prompt less its last token, the snapshot."""
+        if self.snapshots and self.cache is not None and 0 < done == total - 1:
+            held = len(self.turn) - total + done
+            self.snapshot = (self.turn[:held], copy.deepcopy(self.cache))
 
     def save(self, tokens: list[int], generated: list[int]) -> None:
         """After a turn, before ``done``: its blocks to the disk tier."""
@@ -156,13 +177,15 @@ class TurnCache:
         any rank is over its budget. Ranks hold different layers, so their bytes differ: a
         rank that dropped its cache alone would prefill another length than the others at
         the next turn."""
-        from node.jobs.diskcache import agree_min
+        from node.cache.disk import agree_min
 
         cache = self.cache
         offset = None if cache is None else _offset(cache)
-        keep = cache is not None and offset is not None and _nbytes(cache) <= self.budget
+        snapshot = _nbytes(self.snapshot[1]) if self.snapshot is not None else 0
+        keep = cache is not None and offset is not None
+        keep = keep and _nbytes(cache) + snapshot <= self.budget
         if not agree_min(int(keep), self.group) or cache is None or offset is None:
-            self.cache, self.tokens = None, []
+            self.cache, self.tokens, self.snapshot = None, [], None
             return
         self.tokens = (tokens + generated)[:offset]
         draft = cache[self.layers :]
@@ -173,6 +196,14 @@ class TurnCache:
             elif held < offset:  # the last accepted tokens it never saw
                 self.proposer(mx.array(self.tokens[held:offset])[None], cache=draft)
                 mx.eval([c.state for c in draft])
+
+
+def prefilled(cache: TurnCache, emit: Callable | None, done: int, total: int) -> None:
+    """After each prefill chunk, on every rank: the turn cache's snapshot; rank 0 (``emit``)
+    reports the progress."""
+    cache.prefilled(done, total)
+    if emit is not None:
+        emit(Prefill(done, total))
 
 
 def _offset(cache: list) -> int | None:
@@ -275,7 +306,7 @@ def run_chat(job: Job) -> None:
             cancelled=inp.cancel.is_set if rank0 else None,
             cancellable=True,
             speculation=speculation,
-            on_prefill=(lambda done, total: emit(Prefill(done, total))) if rank0 else None,
+            on_prefill=functools.partial(prefilled, cache, emit if rank0 else None),
             from_disk=cache.from_disk,
         )
         cache.save(request.tokens, answer.tokens)

@@ -11,13 +11,14 @@ rank 0 holds the last layers, rank N-1 the first.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, _BaseCache
+from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, _BaseCache
 
 from cluster.core.shards import pipeline_range
 
@@ -46,16 +47,28 @@ def staged(model: nn.Module) -> bool:
 
 
 class PassThrough(nn.Module):
-    """A layer that another rank runs: hands the hidden state on unchanged, holds no weights."""
+    """A layer that another rank runs: hands the hidden state on unchanged, holds no weights.
+
+    A layer that hands its keys and values on to later layers (gemma4's KV sharing: it returns
+    ``(h, shared_kv, offset)``) hands on what it was given; the split keeps the layers that
+    read them on the stage that makes them (cluster.core.modelcheck.kv_shared_tail)."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
         for name, value in vars(layer).items():
             if not name.startswith("_"):
                 object.__setattr__(self, name, value)
+        object.__setattr__(self, "hands_kv", _hands_kv(layer))
 
     def __call__(self, x, *args, **kwargs):
+        if self.hands_kv:
+            return x, kwargs.get("shared_kv"), kwargs.get("offset")
         return x
+
+
+def _hands_kv(layer: nn.Module) -> bool:
+    params = inspect.signature(type(layer).__call__).parameters
+    return "shared_kv" in params and "offset" in params
 
 
 class StageLayer(nn.Module):
@@ -82,7 +95,8 @@ class StageLayer(nn.Module):
         on = {"stream": _collective_stream[0]} if _collective_stream[0] is not None else {}
         if self.recv_from is not None:
             x = mx.distributed.recv_like(x, self.recv_from, group=self.group, **on)
-        h = self.layer(x, *args, **kwargs)
+        out = self.layer(x, *args, **kwargs)
+        h, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
         if self.send_to is not None:
             h = mx.distributed.send(h, self.send_to, group=self.group, **on)
             cache = _find_cache(args, kwargs)
@@ -90,7 +104,7 @@ class StageLayer(nn.Module):
                 _depend(cache, h)
         if self.share:
             h = mx.distributed.all_gather(h, group=self.group, **on)[: h.shape[0]]
-        return h
+        return h if rest is None else (h, *rest)
 
 
 def _find_cache(args, kwargs):
@@ -104,6 +118,9 @@ def _find_cache(args, kwargs):
 def _depend(cache, h: mx.array) -> None:
     """Make the cache depend on the send: mlx-lm's prefill evaluates only the cache state, and
     a send nobody evaluates never runs, leaving the next stage waiting forever."""
+    if isinstance(cache, CacheList):  # longcat's pair of attentions per layer
+        _depend(cache.caches[0], h)
+        return
     keys = getattr(cache, "keys", None)
     if isinstance(keys, tuple):  # a QuantizedKVCache: (packed, scales, biases)
         cache.keys = tuple(mx.depends(list(keys), h))
@@ -126,9 +143,12 @@ class SkippedCache(_BaseCache):
     objects; so a skipped slot names its twin by layer index and ``resolve_twins`` points it at
     the twin in the list the model is called with."""
 
-    def __init__(self, twin: Any, twin_index: int):
+    def __init__(self, twin: Any, twin_index: int, stands_for: bool | None = None):
         self.twin = twin
         self.twin_index = twin_index
+        # whether the slot's own cache could always be cut back (node.cache.snapshots asks
+        # every rank alike, whichever layers it holds)
+        self.stands_for = stands_for
 
     @property
     def offset(self):
@@ -136,6 +156,9 @@ class SkippedCache(_BaseCache):
 
     def make_mask(self, *args, **kwargs):
         return self.twin.make_mask(*args, **kwargs)
+
+    def __getitem__(self, idx):  # a CacheList's part (longcat reads ``cache[0][0]``)
+        return SkippedCache(self.twin[idx], -1)
 
     @property
     def state(self):
@@ -180,6 +203,20 @@ class SkippedCache(_BaseCache):
 
     def extend(self, other):
         pass
+
+
+def always_trimmable(cache: Any) -> bool:
+    """Whether a cache slot can be cut back to any prefix whatever it holds (a sliding window
+    cannot once it has filled; node.cache.snapshots)."""
+    if isinstance(cache, RotatingKVCache):
+        return False
+    parts = getattr(cache, "caches", None)  # a CacheList
+    if parts is not None:
+        return all(always_trimmable(c) for c in parts)
+    if isinstance(cache, SkippedCache) and cache.stands_for is not None:
+        return cache.stands_for
+    is_trimmable = getattr(cache, "is_trimmable", None)
+    return bool(is_trimmable()) if callable(is_trimmable) else False
 
 
 def resolve_twins(cache) -> None:
@@ -230,9 +267,10 @@ def apply_stages(
 
     def make_cache():
         caches = family_cache() if family_cache else [default_cache() for _ in layers]
-        for i in [*range(start), *range(end, n)]:
-            twin = next((j for j in range(start, end) if type(caches[j]) is type(caches[i])), start)
-            caches[i] = SkippedCache(caches[twin], twin)
+        held = range(start, min(end, len(caches)))  # gemma4: no slots for KV-sharing layers
+        for i in [*range(min(start, len(caches))), *range(end, len(caches))]:
+            twin = next((j for j in held if type(caches[j]) is type(caches[i])), start)
+            caches[i] = SkippedCache(caches[twin], twin, always_trimmable(caches[i]))
         return caches
 
     object.__setattr__(model, "make_cache", make_cache)

@@ -32,6 +32,11 @@ GROUPS = ("repeats", "n_rep", "num_key_value_groups")  # query heads per KV head
 COLUMN = ("gate_proj", "up_proj")
 ROW = ("down_proj",)
 SHARED = ("shared_expert", "shared_experts")
+SWITCH = ("switch_mlp", "switch_glu")  # the experts' stacked gate/up/down (SwitchGLU)
+EXPERTS = ("experts",)  # a mixture of experts beside the dense MLP (gemma4), routed by the layer
+WHOLE = ("router", "per_layer_input_gate", "per_layer_projection")  # act on the whole hidden
+# state, which every rank holds: computed on each rank as they are (gemma4's router and its
+# per-layer inputs)
 NORMS = ("q_norm", "k_norm")  # per head: one weight for all heads, or one row per head
 
 
@@ -132,26 +137,35 @@ def children(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def shard_attention(attn: nn.Module, plan: TensorPlan, rank: int, group) -> None:
+    """Keep this rank's query heads and the KV heads they use. Head counts and sizes are the
+    module's own (mimo's sliding layers differ from the config's; its values are narrower than
+    its keys); a per-head parameter of the attention itself (attention sinks) keeps its heads."""
     heads_name, kv_name = attr_of(attn, HEADS), attr_of(attn, KV_HEADS)
     fused = "qkv_proj" in children(attn)
     n_heads, n_kv = getattr(attn, heads_name), getattr(attn, kv_name)
     dim = head_dim(attn)
-    h0, h1 = plan.heads[rank]
-    kv = plan.kv[rank]
+    v_dim = output_dims(attn.v_proj) // n_kv if "v_proj" in attn else dim
+    heads, kvs = plan.attention(n_heads, n_kv)
+    (h0, h1), kv = heads[rank], kvs[rank]
     q = [r for h in range(h0, h1) for r in range(h * dim, (h + 1) * dim)]
     k = [r for h in kv for r in range(h * dim, (h + 1) * dim)]
     if fused:  # [q | k | v] rows in one layer
         base_k, base_v = n_heads * dim, (n_heads + n_kv) * dim
         keep_rows(attn.qkv_proj, q + [base_k + r for r in k] + [base_v + r for r in k])
-    else:
+    else:  # gemma4: no v_proj where keys are values, neither where a layer reuses another's
         keep_rows(attn.q_proj, q)
-        keep_rows(attn.k_proj, k)
-        keep_rows(attn.v_proj, k)
+        if "k_proj" in attn:
+            keep_rows(attn.k_proj, k)
+        if "v_proj" in attn:
+            keep_rows(attn.v_proj, [r for h in kv for r in range(h * v_dim, (h + 1) * v_dim)])
     for name, rows in (("q_norm", list(range(h0, h1))), ("k_norm", kv)):
         norm = getattr(attn, name, None)
         if norm is not None and "weight" in norm and norm["weight"].ndim == 2:  # one per head
             norm["weight"] = mx.contiguous(mx.take(norm["weight"], mx.array(rows), axis=0))
-    keep_inputs(attn.o_proj, h0 * dim, h1 * dim)
+    for name, value in list(attn.items()):
+        if isinstance(value, mx.array) and value.shape == (n_heads,) and n_heads > 1:
+            attn[name] = mx.contiguous(value[h0:h1])
+    keep_inputs(attn.o_proj, h0 * v_dim, h1 * v_dim)
     attn.o_proj = RowParallel(attn.o_proj, group)
     setattr(attn, heads_name, h1 - h0)
     setattr(attn, kv_name, len(kv))
@@ -178,14 +192,9 @@ def shard_experts(block: nn.Module, plan: TensorPlan, rank: int) -> None:
     """A mixture of experts: every expert (and shared expert) keeps a span of its columns; the
     router stays whole. The caller sums the block's output."""
     parts = children(block)
-    switch = parts["switch_mlp"]
-    columns = plan.moe or plan.mlp  # mixtral's experts are intermediate_size wide
-    width = output_dims(switch.gate_proj)
-    if columns is None or columns[-1][1] != width:
-        raise ModelError(
-            f"the experts of {type(block).__name__} are {width} columns wide, which neither "
-            "moe_intermediate_size nor intermediate_size in config.json says; use --mode pipeline"
-        )
+    switch = next(parts[s] for s in SWITCH if s in parts)
+    # as wide as the experts are (moe_intermediate_size, or mixtral's intermediate_size)
+    columns = plan.columns(output_dims(switch.gate_proj))
     for layer in (switch.down_proj, *(getattr(parts.get(s), "down_proj", None) for s in SHARED)):
         if layer is not None and "bias" in layer:
             raise ModelError("tensor mode cannot split experts whose down projection has a bias")
@@ -194,20 +203,25 @@ def shard_experts(block: nn.Module, plan: TensorPlan, rank: int) -> None:
         keep_rows(getattr(switch, name), list(range(i0, i1)))
     keep_inputs(switch.down_proj, i0, i1)
     for name in SHARED:
-        if name in parts:
-            if plan.shared is None:
-                raise ModelError("tensor mode needs shared_expert_intermediate_size in config")
-            shard_dense(parts[name], plan.shared[rank])
+        if name in parts:  # as wide as the module is (configs name it in several ways)
+            shared = parts[name]
+            up = shared.gate_up_proj if "gate_up_proj" in children(shared) else shared.up_proj
+            width = output_dims(up) // (2 if "gate_up_proj" in children(shared) else 1)
+            shard_dense(shared, plan.columns(width)[rank])
 
 
 def attention_problem(attn: nn.Module) -> str | None:
     parts = set(children(attn))
     fused = "qkv_proj" in parts
-    wanted = {"o_proj", *(("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"))}
+    # k and v may be missing (gemma4: keys used as values, or another layer's reused)
+    wanted = {"o_proj", *(("qkv_proj",) if fused else ("q_proj",))}
+    if "v_proj" in parts and "k_proj" not in parts:
+        wanted.add("k_proj")
+    parts_known = wanted | ({"k_proj", "v_proj"} & parts)
     heads_name, kv_name = first_attr(attn, HEADS), first_attr(attn, KV_HEADS)
     if heads_name is None or kv_name is None:
         return f"its attention ({type(attn).__name__}) keeps no head counts we know"
-    if not wanted <= parts or parts - wanted - set(NORMS):
+    if not wanted <= parts or parts - parts_known - set(NORMS):
         return (
             f"its attention ({type(attn).__name__}) has the parts {', '.join(sorted(parts))}, "
             "not q/k/v (or qkv) and o projections"
@@ -229,9 +243,9 @@ def mlp_problem(block: nn.Module) -> str | None:
     dense = ({"gate_up_proj", "down_proj"}, {*COLUMN, *ROW})
     if parts in dense:
         return None
-    switch = children(block).get("switch_mlp")
+    switch = next((children(block)[s] for s in SWITCH if s in parts), None)
     if switch is not None and set(children(switch)) == {*COLUMN, *ROW}:
-        if parts <= {"gate", "switch_mlp", "shared_expert_gate", *SHARED} and all(
+        if parts <= {"gate", *SWITCH, "shared_expert_gate", *SHARED} and all(
             set(children(children(block)[s])) in dense for s in SHARED if s in parts
         ):
             return None
@@ -245,10 +259,16 @@ def layer_problem(layer: nn.Module) -> str | None:
     mlp = next((m for m in MLP if m in parts), None)
     if attn is None or mlp is None:
         return f"{type(layer).__name__} has no attention or MLP under a name we know"
-    others = sorted(set(parts) - {attn, mlp} - {p for p in parts if "norm" in p})
+    known = {attn, mlp, *WHOLE, *EXPERTS}
+    others = sorted(set(parts) - known - {p for p in parts if "norm" in p})
     if others:
         return f"{type(layer).__name__} has parts we do not know: {', '.join(others)}"
-    return attention_problem(parts[attn]) or mlp_problem(parts[mlp])
+    experts = [mlp_problem(parts[e]) for e in EXPERTS if e in parts]
+    return (
+        attention_problem(parts[attn])
+        or mlp_problem(parts[mlp])
+        or next((p for p in experts if p), None)
+    )
 
 
 def shard_tensor(layers: list[nn.Module], plan: TensorPlan, group) -> None:
@@ -257,14 +277,16 @@ def shard_tensor(layers: list[nn.Module], plan: TensorPlan, group) -> None:
     for layer in layers:
         parts = children(layer)
         attn = next(a for a in ATTENTION if a in parts)
-        name = next(m for m in MLP if m in parts)
+        mlp = next(m for m in MLP if m in parts)
         shard_attention(parts[attn], plan, rank, group)
-        block = parts[name]
-        if "switch_mlp" in children(block):
-            shard_experts(block, plan, rank)
-            setattr(layer, name, RankSum(block, group))
-        else:
-            if plan.mlp is None:
-                raise ModelError("tensor mode needs intermediate_size in config.json")
-            shard_dense(block, plan.mlp[rank])
+        for name in (mlp, *(e for e in EXPERTS if e in parts)):
+            block = parts[name]
+            if any(s in children(block) for s in SWITCH):
+                shard_experts(block, plan, rank)
+                setattr(layer, name, RankSum(block, group))
+                continue
+            width = output_dims(block.gate_up_proj if "gate_up_proj" in block else block.up_proj)
+            width //= 2 if "gate_up_proj" in block else 1
+            columns = plan.mlp if plan.mlp and plan.mlp[-1][1] == width else plan.columns(width)
+            shard_dense(block, columns[rank])  # gemma4's KV-sharing layers: twice as wide
             block.down_proj = RowParallel(block.down_proj, group)

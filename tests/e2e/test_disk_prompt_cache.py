@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from node.jobs.diskcache import BLOCK_TOKENS
+from node.cache.disk import BLOCK_TOKENS
 from tests.support.long_context import long_text
 from tests.support.processes import rank_pids
 from tests.support.reference import reference

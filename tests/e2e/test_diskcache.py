@@ -1,5 +1,5 @@
 """The disk tier with two processes writing one store at once: only whole blocks are left
-(node.jobs.diskcache; everything else of it in one process: tests/fast/test_diskcache.py)."""
+(node.cache.disk; everything else of it in one process: tests/fast/test_diskcache.py)."""
 
 import multiprocessing
 from pathlib import Path
@@ -8,7 +8,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from node.jobs.diskcache import BLOCK_TOKENS, DiskCache, local_layers
+from node.cache.disk import BLOCK_TOKENS, DiskCache, local_layers
 from tests.support.kv import PLAN, TOKENS, prefilled, small_llama
 
 

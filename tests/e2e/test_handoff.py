@@ -57,7 +57,7 @@ def chat(served, messages: list[dict]) -> dict:
 
 def plans_with_blocks(folder) -> int:
     """How many plans (one per rank of a layout) hold blocks in the disk tier's store."""
-    from node.jobs.diskcache import BLOCK_NAME, STORE
+    from node.cache.disk import BLOCK_NAME, STORE
 
     plans = {
         p.parent.parent for p in (folder / STORE).glob("*/*/*") if BLOCK_NAME.fullmatch(p.name)

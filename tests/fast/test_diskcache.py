@@ -1,4 +1,4 @@
-"""node.jobs.diskcache on one process: blocks written after an answer are read back into a cache
+"""node.cache.disk on one process: blocks written after an answer are read back into a cache
 that continues the prompt exactly as a prefilled one; a corrupt, planted or foreign block is a
 miss and is removed; the store stays under its bound and never touches a file it did not
 write; it refuses a folder that is not its own; files are 0600 and folders 0700; a writer that
@@ -13,8 +13,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from node.jobs import diskcache
-from node.jobs.diskcache import (
+from node.cache import disk as diskcache
+from node.cache.disk import (
     BLOCK_TOKENS,
     STORE,
     DiskCache,
@@ -115,7 +115,7 @@ def test_the_key_covers_weights_and_plan(model, tmp_path):
 
 
 def test_reading_is_chosen_only_when_faster_than_prefilling():
-    from node.jobs.diskcache import DiskStats
+    from node.cache.disk import DiskStats
 
     stats = DiskStats()
     assert worth_reading(stats, 100.0)(1000, 10**9)  # nothing measured yet: try the disk

@@ -109,3 +109,33 @@ def test_weighted_split_gives_every_rank_a_layer_and_sums():
     assert weighted_split([1000, 1], 4) == [3, 1]
     assert choose_split(CFG, 2, None, [64, 64]) is None  # equal memory: mlx-lm's even split
     assert choose_split(CFG, 2, [5, 1], [64, 16]) == [5, 1]  # explicit wins
+
+
+def test_gemma4_kv_sharing_layers_stay_on_the_stage_that_makes_their_keys():
+    """Gemma 4's last num_kv_shared_layers layers reuse the keys and values of the last earlier
+    layer of their kind: the last stage (rank 0) holds those source layers and all after."""
+    from cluster.core.modelcheck import choose_split, kv_shared_tail
+
+    # E2B's shape: 35 layers, 20 sharing, sliding x4 then full; sources are layers 13 and 14
+    e2b = {"model_type": "gemma4_text", "num_hidden_layers": 35, "num_kv_shared_layers": 20,
+           "sliding_window_pattern": 5}  # fmt: skip
+    assert kv_shared_tail(e2b) == 13
+    assert choose_split(e2b, 2, None, None) == [22, 13]
+    assert choose_split(e2b, 3, None, None) == [22, 7, 6]
+    assert choose_split(e2b, 2, None, [64, 16])[0] >= 22  # memory weights keep the rule
+    assert choose_split(e2b, 2, [28, 7], None) == [28, 7]
+    with pytest.raises(ModelError, match="must hold layers 13-34: give it at least 22"):
+        choose_split(e2b, 2, [18, 17], None)
+    tiny = {
+        "model_type": "gemma4_text",
+        "num_hidden_layers": 6,
+        "num_kv_shared_layers": 2,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    }
+    assert kv_shared_tail(tiny) == 2
+    assert choose_split(tiny, 3, None, None) == [4, 1, 1]
+    with pytest.raises(ModelError, match="use at most 3 ranks, or --mode tensor"):
+        choose_split(tiny, 4, None, None)
+    # no sharing (the 26B and 31B checkpoints): the usual even split
+    assert kv_shared_tail({**e2b, "num_kv_shared_layers": 0}) is None
+    assert choose_split({**e2b, "num_kv_shared_layers": 0}, 2, None, None) is None

@@ -1,4 +1,4 @@
-"""A small llama and its caches for the disk tier's tests (node.jobs.diskcache): a model,
+"""A small llama and its caches for the disk tier's tests (node.cache.disk): a model,
 a prompt of three blocks and ten tokens, its prefilled cache, the next step's logits."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from node.jobs.diskcache import BLOCK_TOKENS, plan_key
+from node.cache.disk import BLOCK_TOKENS, plan_key
 from tests.support.tiny import make_model
 
 PLAN = plan_key(test="plan")  # a plan folder's name, as open_disk_cache makes it
