@@ -182,8 +182,7 @@ class TurnCache:
         cache = self.cache
         offset = None if cache is None else _offset(cache)
         snapshot = _nbytes(self.snapshot[1]) if self.snapshot is not None else 0
-        keep = cache is not None and offset is not None
-        keep = keep and _nbytes(cache) + snapshot <= self.budget
+        keep = cache is not None and offset is not None and _nbytes(cache) + snapshot <= self.budget
         if not agree_min(int(keep), self.group) or cache is None or offset is None:
             self.cache, self.tokens, self.snapshot = None, [], None
             return
