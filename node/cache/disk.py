@@ -44,15 +44,17 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 BLOCK_TOKENS = 256
-FORMAT = "2"
+FORMAT = "3"
 TMP_SUFFIX = ".tmp"
+STATE_META = "__state__"  # a read state record's packed states (not an array name)
 STORE = "mlx-cluster-kv"  # the folder of ours under the one the user names
 MARKER = "MLX-CLUSTER-KV"  # in it: this folder is the prompt cache's
 KEY_FILE = ".key"  # in it: the HMAC key of its blocks (0600)
 MANIFEST = "layers.json"  # in a plan's folder: the shapes and dtypes its blocks hold
+STATES = "states.json"  # and its state records' (-1: a sliding window's length varies)
 FINGERPRINTS = "fingerprints.json"  # in the store: weights' fingerprints by path and stat
 PLAN_NAME = re.compile(r"[0-9a-f]{24}")
 BLOCK_NAME = re.compile(r"[0-9a-f]{40}\.safetensors")
@@ -211,20 +213,58 @@ def block_hashes(tokens: list[int], block: int = BLOCK_TOKENS) -> list[str]:
     return out
 
 
+STATE_KINDS = (RotatingKVCache, ArraysCache)  # kept whole at block boundaries (snapshots)
+
+
 def local_layers(cache: list) -> list[int] | None:
     """The indices of this rank's KV caches in a fresh cache list (other layers' slots are
-    node.model.stage's SkippedCache); None when a layer's cache is not a plain KVCache (sliding
-    windows, quantized, state-space caches: no disk tier)."""
+    node.model.stage's SkippedCache), kept as blocks; None when a layer's cache is neither a
+    plain KVCache nor one of STATE_KINDS (quantized, composite caches: no disk tier)."""
     from node.model.stage import SkippedCache
 
     ids = []
     for i, c in enumerate(cache):
-        if isinstance(c, SkippedCache):
+        if isinstance(c, SkippedCache) or isinstance(c, STATE_KINDS):
             continue
         if type(c) is not KVCache:
             return None
         ids.append(i)
     return ids
+
+
+def state_layers(cache: list) -> list[int]:
+    """The indices of this rank's caches that cannot be cut into blocks (a linear
+    attention's state, a sliding window): each is kept whole, as it stands at a block
+    boundary that a snapshot reached (node.cache.snapshots), in a state record named after
+    the blocks before it (``state_name``)."""
+    return [i for i, c in enumerate(cache) if isinstance(c, STATE_KINDS)]
+
+
+def state_name(block: str) -> str:
+    """The state record at the end of the block named ``block``: a name of the blocks' form
+    (the store's bound and reads treat it as one), which no block can have."""
+    return hashlib.sha256(f"state/{block}".encode()).hexdigest()[:40]
+
+
+def pack_state(value: Any, name: str, arrays: dict[str, mx.array]) -> Any:
+    """A cache's ``state`` (arrays, numbers, None, in tuples and lists) as JSON, its arrays
+    into ``arrays`` under names from ``name``; ``unpack_state`` makes it again."""
+    if isinstance(value, mx.array):
+        arrays[name] = value
+        return {"array": name}
+    if isinstance(value, (list, tuple)):
+        return [pack_state(v, f"{name}.{j}", arrays) for j, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a cache state holds a {type(value).__name__}")
+
+
+def unpack_state(value: Any, arrays: dict[str, mx.array]) -> Any:
+    if isinstance(value, dict):
+        return arrays[value["array"]]
+    if isinstance(value, list):
+        return [unpack_state(v, arrays) for v in value]
+    return value
 
 
 def _digest(arrays: dict[str, np.ndarray]) -> str:
@@ -260,7 +300,8 @@ class DiskCache:
 
     def __init__(self, root: Path, key: str, limit_bytes: float, layers: list[int],
                  log: Callable[[str], None] = lambda _: None, group=None,
-                 warn: Callable[[str], None] | None = None):  # fmt: skip
+                 warn: Callable[[str], None] | None = None,
+                 states: list[int] | None = None):  # fmt: skip
         self.group = group  # the job's: restore agrees with every rank
         self.store, self.secret = open_store(Path(root))
         self.key = key
@@ -268,10 +309,12 @@ class DiskCache:
         self.folder.mkdir(mode=0o700, exist_ok=True)
         self.limit = limit_bytes
         self.layers = layers
+        self.states = states or []  # state_layers: kept whole, in state records
         self.log = log
         self.warn = warn or log
         self.stats = DiskStats()
         self.manifest: dict | None = self._read_manifest()  # None until the plan's first block
+        self.state_manifest: dict | None = self._read_manifest(STATES)
         self.lock = threading.Lock()
         self.queued: set[str] = set()  # names waiting for the writer
         self.queued_bytes = 0
@@ -305,31 +348,31 @@ class DiskCache:
 
     # --- the plan's manifest -----------------------------------------------------------------
 
-    def _read_manifest(self) -> dict | None:
+    def _read_manifest(self, file: str = MANIFEST) -> dict | None:
         try:
-            data = json.loads((self.folder / MANIFEST).read_text())
+            data = json.loads((self.folder / file).read_text())
             layers = data["layers"]
-            if hmac.compare_digest(data["mac"], self.mac(MANIFEST, _canonical(layers))):
+            if hmac.compare_digest(data["mac"], self.mac(file, _canonical(layers))):
                 return layers
         except (OSError, ValueError, KeyError, TypeError):
             pass
         return None
 
-    def _write_manifest(self, layers: dict) -> None:
-        """The plan's first block's shapes; one there that this store did not sign (planted,
-        copied in) is replaced."""
-        body = {"layers": layers, "mac": self.mac(MANIFEST, _canonical(layers))}
-        _write_new(self.folder / MANIFEST, json.dumps(body).encode())
-        self.manifest = self._read_manifest()
-        if self.manifest is None:
-            _write_replacing(self.folder / MANIFEST, json.dumps(body).encode())
-            self.manifest = self._read_manifest()
+    def _write_manifest(self, layers: dict, file: str = MANIFEST) -> dict | None:
+        """The plan's first block's (or state record's) shapes; one there that this store
+        did not sign (planted, copied in) is replaced."""
+        body = json.dumps({"layers": layers, "mac": self.mac(file, _canonical(layers))}).encode()
+        _write_new(self.folder / file, body)
+        if (manifest := self._read_manifest(file)) is None:
+            _write_replacing(self.folder / file, body)
+            manifest = self._read_manifest(file)
+        return manifest
 
     # --- reading -----------------------------------------------------------------------------
 
-    def read(self, names: list[str]) -> list[dict[str, mx.array]]:
-        """The blocks, in order, up to the first missing or bad one (a bad one is removed
-        when this user may)."""
+    def read(self, names: list[str], states: bool = False) -> list[dict[str, Any]]:
+        """The blocks (or state records), in order, up to the first missing or bad one (a
+        bad one is removed when this user may)."""
         from safetensors import safe_open
 
         blocks = []
@@ -341,7 +384,7 @@ class DiskCache:
                 with safe_open(str(p), framework="numpy") as f:
                     meta = f.metadata() or {}
                     arrays = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-                why = self.check(name, meta, arrays)
+                why = self.check(name, meta, arrays, states)
             except FileNotFoundError:
                 break
             except Exception as e:  # truncated, unreadable, another format
@@ -355,6 +398,8 @@ class DiskCache:
                 break
             dtypes = json.loads(meta["dtypes"])
             blocks.append({k: _restore(v, dtypes[k]) for k, v in arrays.items()})
+            if states:
+                blocks[-1][STATE_META] = json.loads(meta["state"])
             try:
                 size += p.stat().st_size
                 os.utime(p)  # recently used
@@ -365,25 +410,52 @@ class DiskCache:
             self.stats.bytes_read += size
         return blocks
 
-    def check(self, name: str, meta: dict, arrays: dict[str, np.ndarray]) -> str | None:
-        """Why a block may not be used (None: it may): another format, a signature that is
-        not this store's, arrays other than the plan's layers, shapes or dtypes other than
-        the plan's manifest."""
+    def check(self, name: str, meta: dict, arrays: dict[str, np.ndarray],
+              states: bool = False) -> str | None:  # fmt: skip
+        """Why a block (or state record) may not be used (None: it may): another format, a
+        signature that is not this store's, arrays other than the plan's layers, shapes or
+        dtypes other than the plan's manifest."""
         if meta.get("format") != FORMAT:
             return "is of another format"
-        if not hmac.compare_digest(str(meta.get("mac", "")), self.mac(name, _digest(arrays))):
+        signed = _digest(arrays) + (f"/{meta.get('state', '')}" if states else "")
+        if not hmac.compare_digest(str(meta.get("mac", "")), self.mac(name, signed)):
             return "was not written by this cache, or changed since (its signature differs)"
-        manifest = self.manifest or self._read_manifest()
+        if states:
+            manifest = self.state_manifest or self._read_manifest(STATES)
+            self.state_manifest = manifest
+        else:
+            manifest = self.manifest or self._read_manifest()
+            self.manifest = manifest
         if manifest is None:
             return "has no manifest of its plan"
-        self.manifest = manifest
         dtypes = json.loads(meta.get("dtypes", "{}"))
         if set(arrays) != set(manifest) or set(dtypes) != set(manifest):
             return "holds other layers than its plan"
         for k, a in arrays.items():
-            if [list(a.shape), dtypes[k]] != manifest[k]:
+            shape, dtype = manifest[k]
+            fits = len(shape) == a.ndim and all(
+                m in (-1, d) for m, d in zip(shape, a.shape, strict=False)
+            )
+            if not fits or dtypes[k] != dtype:
                 return f"has {k} of shape {list(a.shape)} {dtypes[k]}, not {manifest[k]}"
         return None
+
+    def state_at(self, names: list[str], most: int) -> int:
+        """The most blocks (at most ``most``) at whose end this rank has a state record
+        (``most`` when it keeps no state layers; 0 when none)."""
+        if not self.states:
+            return most
+        return next((n for n in range(most, 0, -1) if self.held([state_name(names[n - 1])])), 0)
+
+    def agree_state(self, names: list[str], n: int) -> int:
+        """The most blocks, at most ``n``, that every rank has and at whose end every rank has
+        a state record (the same collectives on every rank: each step's decision is agreed)."""
+        while n:
+            n = agree_min(self.state_at(names, n), self.group)
+            if not n or agree_min(int(self.state_at(names, n) == n), self.group):
+                return n
+            n -= 1
+        return 0
 
     def restore(self, model, tokens: list[int], worth: Callable[[int, int], bool]
                 = lambda tokens, nbytes: True) -> tuple[list | None, int]:  # fmt: skip
@@ -397,16 +469,33 @@ class DiskCache:
         if n and (self.group is None or self.group.rank() == 0):
             n = n if worth(n * BLOCK_TOKENS, sum(sizes)) else 0
         n = agree_min(n, self.group)
+        n = self.agree_state(names, n)  # every rank: some may keep no state layers
         blocks = self.read(names[:n]) if n else []
-        n = agree_min(len(blocks), self.group)
+        record = self.read([state_name(names[n - 1])], states=True) if n and self.states else []
+        cache = make_prompt_cache(model)
+        packed = record[0][STATE_META] if record else {}
+        kinds = all(p["kind"] == type(cache[int(i)]).__name__ for i, p in packed.items())
+        if self.states:  # the state record is at the end of the n blocks: all or none
+            read = n if len(blocks) == n and len(record) == 1 and kinds else 0
+        else:  # the blocks up to the first bad one
+            read = len(blocks)
+        agreed = agree_min(read, self.group)
+        if agree_min(int(agreed == n or not self.states), self.group) == 0:
+            agreed = 0  # a rank's state record is at n only
+        n = agreed
         if not n:
             return None, 0
-        cache = make_prompt_cache(model)
         for i in self.layers:
             keys = mx.concatenate([b[f"k{i}"] for b in blocks[:n]], axis=2)
             values = mx.concatenate([b[f"v{i}"] for b in blocks[:n]], axis=2)
             cache[i].state = (keys, values, n * BLOCK_TOKENS)
-        mx.eval([cache[i].keys for i in self.layers], [cache[i].values for i in self.layers])
+        for i, p in packed.items():
+            cache[int(i)].state = unpack_state(p["state"], record[0])
+        mx.eval(
+            [cache[i].keys for i in self.layers],
+            [cache[i].values for i in self.layers],
+            [a for k, a in (record[0] if record else {}).items() if k != STATE_META],
+        )
         self.stats.hits += 1
         return cache, n * BLOCK_TOKENS
 
@@ -418,16 +507,21 @@ class DiskCache:
 
     # --- writing -----------------------------------------------------------------------------
 
-    def save(self, tokens: list[int], cache: list) -> int:
+    def save(self, tokens: list[int], cache: list, whole: bool = False) -> int:
         """Queue the blocks of ``tokens`` that ``cache`` holds and neither the disk nor the
-        queue does; returns how many. The arrays are views (evaluated here, on the rank's
-        thread); the thread writes them. Past MAX_QUEUED_BYTES waiting (a slow disk), the
-        rest are skipped: memory stays bounded whatever the disk does."""
+        queue does; returns how many. ``whole``: the cache holds exactly ``tokens`` (a
+        snapshot), which end on a block boundary: the state layers' record there too. The
+        arrays are views (evaluated here, on the rank's thread); the thread writes them. Past
+        MAX_QUEUED_BYTES waiting (a slow disk), the rest are skipped: memory stays bounded
+        whatever the disk does."""
         if not self.writing or local_layers(cache) != self.layers:
             return 0
-        held = min(getattr(cache[i], "offset", 0) for i in self.layers) if self.layers else 0
+        if self.layers:
+            held = min(getattr(cache[i], "offset", 0) for i in self.layers)
+        else:
+            held = len(tokens) if whole else 0
         names = block_hashes(tokens[:held])
-        work = []
+        work: list[tuple[str, dict, dict, int, dict | None]] = []
         with self.lock:
             room = MAX_QUEUED_BYTES - self.queued_bytes
         for b, name in enumerate(names):
@@ -443,10 +537,22 @@ class DiskCache:
             if nbytes > room:
                 break
             room -= nbytes
-            work.append((name, arrays, dtypes, nbytes))
+            work.append((name, arrays, dtypes, nbytes, None))
+        if whole and self.states and names and held == len(tokens) and held % BLOCK_TOKENS == 0:
+            record = state_name(names[-1])
+            if record not in self.queued and not self.path(record).exists():
+                arrays = {}
+                packed = {str(i): {"kind": type(cache[i]).__name__,
+                                   "state": pack_state(cache[i].state, f"s{i}", arrays)}
+                          for i in self.states}  # fmt: skip
+                dtypes = {k: str(a.dtype).removeprefix("mlx.core.") for k, a in arrays.items()}
+                arrays = {k: _stored(a) for k, a in arrays.items()}
+                nbytes = sum(a.nbytes for a in arrays.values())
+                if nbytes <= room:
+                    work.append((record, arrays, dtypes, nbytes, packed))
         if not work:
             return 0
-        mx.eval([a for _, arrays, _, _ in work for a in arrays.values()])
+        mx.eval([a for _, arrays, _, _, _ in work for a in arrays.values()])
         with self.lock:
             for item in work:
                 self.queued.add(item[0])
@@ -469,10 +575,10 @@ class DiskCache:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            name, arrays, dtypes, nbytes = item
+            name, arrays, dtypes, nbytes, state = item
             try:
                 if self.writing:
-                    self._write(name, arrays, dtypes)
+                    self._write(name, arrays, dtypes, state)
                     self._fit()
             except Exception as e:
                 if self.writing:
@@ -487,17 +593,28 @@ class DiskCache:
                     self.queued.discard(name)
                     self.queued_bytes -= nbytes
 
-    def _write(self, name: str, arrays: dict[str, mx.array], dtypes: dict[str, str]) -> None:
+    def _write(self, name: str, arrays: dict[str, mx.array], dtypes: dict[str, str],
+               state: dict | None = None) -> None:  # fmt: skip
+        """A block, or (``state``: the packed states of the state layers) a state record."""
         from safetensors.numpy import save
 
         p = self.path(name)
         if p.exists():
             return
         stored = {k: np.ascontiguousarray(np.array(a, copy=False)) for k, a in arrays.items()}
-        if self.manifest is None:
-            self._write_manifest({k: [list(a.shape), dtypes[k]] for k, a in stored.items()})
-        meta = {"format": FORMAT, "mac": self.mac(name, _digest(stored)),
-                "dtypes": json.dumps(dtypes)}  # fmt: skip
+        shapes: dict[str, list] = {k: [list(a.shape), dtypes[k]] for k, a in stored.items()}
+        if state is None and self.manifest is None:
+            self.manifest = self._write_manifest(shapes)
+        if state is not None and self.state_manifest is None:
+            for k, (shape, _) in shapes.items():  # a sliding window's length varies
+                kind = state[k[1:].split(".")[0]]["kind"]
+                if len(shape) == 4 and kind == RotatingKVCache.__name__:
+                    shape[2] = -1
+            self.state_manifest = self._write_manifest(shapes, STATES)
+        signed = _digest(stored) + (f"/{json.dumps(state)}" if state is not None else "")
+        meta = {"format": FORMAT, "mac": self.mac(name, signed), "dtypes": json.dumps(dtypes)}
+        if state is not None:
+            meta["state"] = json.dumps(state)
         data = save(stored, metadata=meta)
         p.parent.mkdir(mode=0o700, exist_ok=True)
         _write_replacing(p, data)
@@ -603,10 +720,13 @@ def open_disk_cache(loaded, spec, group, log: Callable[[str], None],
         return None
     import mlx_lm
 
-    layers = local_layers(make_prompt_cache(loaded.model))
+    fresh = make_prompt_cache(loaded.model)
+    layers, states = local_layers(fresh), state_layers(fresh)
     root = Path(spec.prompt_cache_dir).expanduser() if spec.prompt_cache_dir else default_root()
     if layers is None:
-        log("disk prompt cache: this model's caches are not plain KV caches; off")
+        kinds = sorted({type(c).__name__ for c in fresh})
+        log(f"disk prompt cache: this model's caches ({', '.join(kinds)}) are not kinds it "
+            "keeps (KVCache in blocks; RotatingKVCache and ArraysCache whole); off")  # fmt: skip
     disk = None
     if layers is not None:
         try:
@@ -616,11 +736,12 @@ def open_disk_cache(loaded, spec, group, log: Callable[[str], None],
             key = plan_key(weights=weights_fingerprint(loaded.path, store), versions=versions,
                            family=loaded.config["model_type"], mode=spec.mode,
                            ranks=spec.world_size, rank=group.rank(), layers=layers,
+                           states=states,
                            split=spec.split, split_weights=spec.split_weights,
                            kv=[q.kv_bits, q.kv_group_size, q.quantized_kv_start],
                            format=FORMAT)  # fmt: skip
             disk = DiskCache(root, key, spec.prompt_cache_disk_gb * 1e9, layers, log, group,
-                             warn)  # fmt: skip
+                             warn, states)  # fmt: skip
         except NotOurs as e:
             warn(f"disk prompt cache off: {e}")
         except OSError as e:

@@ -38,27 +38,42 @@ def trimmable(model) -> bool:
     return all(always_trimmable(c) for c in make_prompt_cache(model))
 
 
-def snapshot_points(total: int, cached: int) -> list[int]:
+def snapshot_points(total: int, cached: int, disk: bool = False) -> list[int]:
     """The prompt lengths (token counts) at which a prompt of ``total`` tokens, of which
     ``cached`` come from a cache already, keeps a snapshot: doubling block boundaries, then
-    ``total - 1`` (the last token is fed by the first decoding step)."""
+    ``total - 1`` (the last token is fed by the first decoding step). ``disk``: also the last
+    block boundary before it, which the disk tier keeps (it keeps states at block boundaries
+    only: node.cache.disk), so that a restart restores all but the prompt's last block."""
     points = []
     at = FIRST_SNAPSHOT
     while at < total - 1:
         if at > cached:
             points.append(at)
         at *= 2
+    last_block = (total - 1) // FIRST_SNAPSHOT * FIRST_SNAPSHOT
+    if disk and last_block > cached and last_block not in points and last_block < total - 1:
+        points.append(last_block)
     if total - 1 > cached:
         points.append(total - 1)
     return points
 
 
-def segments(tokens: list[int], cached: int, snapshots: bool) -> list[list[int]]:
+def in_memory(length: int, total: int) -> bool:
+    """Whether the snapshot at ``length`` tokens of a ``total``-token prompt is kept in
+    memory (the end of the prompt, doubling block boundaries) or only on disk."""
+    blocks = length // FIRST_SNAPSHOT
+    doubling = length % FIRST_SNAPSHOT == 0 and blocks > 0 and blocks & (blocks - 1) == 0
+    return length == total - 1 or doubling
+
+
+def segments(
+    tokens: list[int], cached: int, snapshots: bool, disk: bool = False
+) -> list[list[int]]:
     """The tokens after ``cached``, cut at the snapshot points (one segment without
     snapshots). The last segment is the last token alone, as mlx-lm's generator would make
     it, so the segment before it ends at the snapshot that serves the next turn."""
     rest = tokens[cached:]
     if not snapshots or len(rest) < 2:
         return [rest]
-    cuts = [cached, *snapshot_points(len(tokens), cached), len(tokens)]
+    cuts = [cached, *snapshot_points(len(tokens), cached, disk), len(tokens)]
     return [tokens[a:b] for a, b in zip(cuts, cuts[1:], strict=False) if b > a]

@@ -59,7 +59,7 @@ from mlx_lm.models.cache import (
 
 from cluster.core.spec import Order
 from node.cache.disk import BLOCK_TOKENS, worth_reading
-from node.cache.snapshots import segments, trimmable
+from node.cache.snapshots import in_memory, segments, trimmable
 from node.decode.grammar import Constrained, compiling, mask_batch
 from node.decode.loop import STOP_CHECK_EVERY, Ticking
 from node.decode.prefill import PREFILL_STEP, prefill_step
@@ -338,6 +338,7 @@ class Lockstep:
         self.disk = disk  # node.cache.disk.DiskCache: the tier under the prompt cache
         self.from_disk: dict[int, int] = {}  # the last apply's: uid -> prompt tokens from disk
         self.scopes: dict[int, str] = {}  # uid -> its prompt cache scope (prompt_cache_key)
+        self.totals: dict[int, int] = {}  # uid -> its prompt's tokens (for its snapshots)
         self.kept = 0  # answers' caches kept since the bytes were last checked
         # uid -> the token list its cache is kept under, since rank 0 last read them
         # (node.jobs.serve.CachedPrefixes: what the fleet's router is told)
@@ -396,7 +397,7 @@ class Lockstep:
             m = min(range(len(self.generators)), key=lambda i: len(self.held[i]))
             cached = len(r.tokens) - len(rest)
             (inner,) = self.generators[m].insert_segments(
-                [segments(r.tokens, cached, self.snapshots)],
+                [segments(r.tokens, cached, self.snapshots, self.disk_scope(scope))],
                 max_tokens=[r.sampling.max_tokens],
                 caches=[cache],
                 all_tokens=[r.tokens[: len(r.tokens) - len(rest)]],
@@ -412,6 +413,7 @@ class Lockstep:
                 if isinstance(process, Constrained):
                     self.grammars[uid] = process
             self.scopes[uid] = scope
+            self.totals[uid] = len(r.tokens)
             if from_disk:
                 self.from_disk[uid] = from_disk
             self.prefilling[uid] = (0, len(rest))
@@ -424,6 +426,7 @@ class Lockstep:
             self.forget(uid)
             self.prefilling.pop(uid, None)
             self.scopes.pop(uid, None)
+            self.totals.pop(uid, None)
             self.grammars.pop(uid, None)
         return joined
 
@@ -482,6 +485,7 @@ class Lockstep:
         """A finished answer's cache, under the tokens it holds (every rank alike), and its
         blocks to the disk tier (written by its thread)."""
         scope = self.scopes.pop(response.uid, MODEL_KEY)
+        self.totals.pop(response.uid, None)
         if self.disk is not None and response.prompt_cache is not None and scope == MODEL_KEY:
             self.disk.save(list(response.all_tokens), response.prompt_cache)
         if response.prompt_cache is not None:
@@ -503,7 +507,15 @@ class Lockstep:
         answers' when it must drop one."""
         for g_uid, (cache, tokens) in self.generators[m].extract_cache(inner).items():
             uid = self.held[m][g_uid]
-            self.hold(uid, self.scopes.get(uid, MODEL_KEY), list(tokens), cache, "user")
+            scope, tokens = self.scopes.get(uid, MODEL_KEY), list(tokens)
+            if self.disk_scope(scope) and len(tokens) % BLOCK_TOKENS == 0:
+                self.disk.save(tokens, cache, whole=True)
+            if in_memory(len(tokens), self.totals.get(uid, 0)):
+                self.hold(uid, scope, tokens, cache, "user")
+
+    def disk_scope(self, scope: str) -> bool:
+        """Whether caches of this scope go to the disk tier (the unscoped ones, as keep)."""
+        return self.disk is not None and scope == MODEL_KEY
 
     def cached_ids(self) -> set[int] | None:
         """The ids of the token lists the prompt cache holds now (None: not known; mlx-lm's

@@ -121,3 +121,41 @@ def test_chat_resumes_a_turn_whose_answer_renders_otherwise_from_the_prompts_sna
     got, cached = turn(cache, third)
     assert cached == len(second) + len(got)  # every token of it (mlx-lm fed the last one)
     assert got == turn(None, third)[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
+def test_a_restart_restores_a_snapshot_from_the_disk_tier(tmp_path, family):
+    """The disk tier keeps a cache that cannot be cut back as blocks of its KV layers plus
+    the other layers' whole state at block boundaries its prompt's snapshots reached: a
+    batch started afresh (a restart) on the same folder reads all but the last block."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from node.cache.disk import BLOCK_TOKENS, DiskCache, local_layers, state_layers
+    from node.jobs.batch import Lockstep
+    from tests.support.kv import PLAN
+    from tests.support.tiny import make_model
+
+    model, tokenizer = load(str(make_model(tmp_path / family, family, seed=1)))
+    fresh = make_prompt_cache(model)
+    assert state_layers(fresh)  # this family's windows or linear attention
+
+    def disk() -> DiskCache:
+        return DiskCache(
+            tmp_path / "kv", PLAN, 1e9, local_layers(fresh), states=state_layers(fresh)
+        )
+
+    base = [(11 * i) % 500 + 1 for i in range(600)]
+    first = Lockstep(model, tokenizer, 4, 4, 20, disk=disk())
+    answer(first, base)
+    first.disk.flush()
+    first.close()
+    again = Lockstep(model, tokenizer, 4, 4, 20, disk=disk())  # memory empty: the disk serves
+    turn = base + [3, 4, 5]
+    got, cached = answer(again, turn)
+    assert cached == 2 * BLOCK_TOKENS  # the last block boundary before the prompt's end
+    assert again.from_disk  # read from the disk, not from memory
+    reference = Lockstep(model, tokenizer, 4, 4, 0)
+    assert got == answer(reference, turn)[0]
+    again.close()
+    reference.close()
