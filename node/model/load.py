@@ -179,7 +179,25 @@ def shard_for_tensor(model: nn.Module, plan: TensorPlan, weights, group) -> None
             "num_attention_heads and num_key_value_heads, without --split or memory_gb "
             "weights, or --mode pipeline"
         )
-    model.shard(group)
+    args = getattr(getattr(model, "language_model", None), "args", None)
+    vocab = getattr(args, "vocab_size", None)
+    whole_head = (  # qwen3_5's shard() splits an untied head by vocabulary, evenly only: the
+        # head stays whole on every rank instead (each computes every logit) when it cannot
+        isinstance(vocab, int) and getattr(args, "tie_word_embeddings", True) is False
+        and vocab % group.size() != 0
+    )  # fmt: skip
+    try:
+        if whole_head:
+            args.tie_word_embeddings = True  # read by shard() alone to split the head
+        model.shard(group)
+    except AssertionError as e:  # its own checks (qwen3_5: the ranks must divide the vocabulary)
+        raise ModelError(
+            f"mlx-lm's shard() for model family {family!r} cannot split it over "
+            f"{group.size()} ranks ({e}); use a rank count it divides, or --mode pipeline"
+        ) from None
+    finally:
+        if whole_head:
+            args.tie_word_embeddings = False
 
 
 def load_shard(
