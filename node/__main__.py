@@ -104,7 +104,8 @@ def run(spec: JobSpec) -> None:
         log(f"{what}: {limit[1] / 1e9:.1f} GB")
     emit(Phase("loading"))
     tic = time.perf_counter()
-    loaded = load_shard(spec.model, spec.mode, group, spec.split, spec.split_weights)
+    text_only = spec.request.image is None  # a VLM's conversion: its text model (mlx-lm's)
+    loaded = load_shard(spec.model, spec.mode, group, spec.split, spec.split_weights, text_only)
     if spec.draft.on:
         from node.model.draft import load_draft
 

@@ -98,9 +98,30 @@ def check_request(config: dict[str, Any], command: str, image: bool, name: str) 
             f"--image needs a vision-language model; {name} is text-only "
             "(its config.json has no vision_config)"
         )
-    if command in ("logits", "chat", "serve", "bench") and vision:
+    if command in TEXT_COMMANDS and vision and not text_family_known(config):
         what = "--logits" if command == "logits" else command
-        raise ModelError(f"{what} is for text models; this is a vision-language model")
+        raise ModelError(
+            f"{what} is for text models; this is a vision-language model whose family "
+            f"({config.get('model_type')!r}) mlx-lm cannot load as text"
+        )
+
+
+TEXT_COMMANDS = ("logits", "chat", "serve", "bench")
+
+
+def text_family_known(config: dict[str, Any]) -> bool:
+    """Whether mlx-lm has a text model for this checkpoint's family: a vision-language
+    conversion of Qwen3.5/3.6, Gemma 4 or Kimi K2.5 (``vision_config`` kept) then loads as
+    text for chat, serve and bench, its vision weights left out (mlx-lm's sanitize). Looked
+    up by file, without importing mlx-lm."""
+    import importlib.util
+
+    family = config.get("model_type")
+    spec = importlib.util.find_spec("mlx_lm")
+    if not isinstance(family, str) or not family.isidentifier() or spec is None:
+        return False
+    return any((Path(p) / "models" / f"{family}.py").is_file()
+               for p in spec.submodule_search_locations or ())  # fmt: skip
 
 
 def check_kv_quant(config: dict[str, Any], kv_bits: int | None, group_size: int) -> None:

@@ -28,6 +28,7 @@ from cluster.core.modelcheck import (
     looks_like_repo,
     num_layers,
     read_config,
+    text_family_known,
 )
 from cluster.core.shards import (
     LAYER_RE,
@@ -206,14 +207,17 @@ def load_shard(
     group,
     split: list[int] | None = None,
     split_weights: list[float] | None = None,
+    text_only: bool = False,
 ) -> Loaded:
+    """``text_only`` (no image in the job): a vision-language checkpoint whose family mlx-lm
+    knows is loaded as text by mlx-lm, its vision weights left out."""
     size, rank = group.size(), group.rank()
     model_dir = resolve_model(ref, META_PATTERNS)
     config = read_config(model_dir, require_weights=not looks_like_repo(ref))
     weights = split or split_weights
     plan = check_mode(config, mode, size, weights)
-    vlm = is_vision_model(config)
-    layer_re = VLM_LAYER_RE if vlm else LAYER_RE
+    vlm = is_vision_model(config) and not (text_only and text_family_known(config))
+    layer_re = VLM_LAYER_RE if is_vision_model(config) else LAYER_RE
 
     layers = None
     if mode == "pipeline" and size > 1:

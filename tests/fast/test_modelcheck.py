@@ -139,3 +139,19 @@ def test_gemma4_kv_sharing_layers_stay_on_the_stage_that_makes_their_keys():
     # no sharing (the 26B and 31B checkpoints): the usual even split
     assert kv_shared_tail({**e2b, "num_kv_shared_layers": 0}) is None
     assert choose_split({**e2b, "num_kv_shared_layers": 0}, 2, None, None) is None
+
+
+def test_a_vision_conversion_of_a_family_mlx_lm_knows_is_served_as_text():
+    """mlx-community's vision-language conversions (vision_config kept) of families mlx-lm
+    has a text model for go to chat, serve and bench as text; others are refused, named."""
+    from cluster.core.modelcheck import check_request, text_family_known
+
+    qwen = {"model_type": "qwen3_5", "vision_config": {}, "text_config": {}}
+    assert text_family_known(qwen)
+    for command in ("chat", "serve", "bench", "logits", "generate"):
+        check_request(qwen, command, False, "q")
+    pali = {"model_type": "paligemma", "vision_config": {}}
+    assert not text_family_known(pali)
+    assert not text_family_known({"model_type": "../../etc/x", "vision_config": {}})
+    with pytest.raises(ModelError, match="serve is for text models.*'paligemma'.*cannot load"):
+        check_request(pali, "serve", False, "p")

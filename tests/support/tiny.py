@@ -457,6 +457,27 @@ def make_model(
     return out
 
 
+def as_vision_conversion(text_model: Path, out: Path) -> Path:
+    """``text_model`` laid out as mlx-community's vision-language conversions of Qwen3.5/3.6,
+    Gemma 4 or Kimi K2.5 are: the same language-model weights (under ``language_model.``), a
+    ``vision_config`` in config.json and vision-tower weights beside them (one, here: serve
+    answers text with such a checkpoint through mlx-lm, which leaves the tower out)."""
+    import shutil
+
+    shutil.copytree(text_model, out)
+    config = json.loads((out / "config.json").read_text())
+    config["vision_config"] = {"model_type": config["model_type"], "depth": 1, "hidden_size": 32}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    if not all(k.startswith("language_model.") for k in index["weight_map"]):
+        raise ValueError(f"{text_model}: its weights are not under language_model.")
+    tower = {"vision_tower.blocks.0.attn.qkv.weight": mx.zeros((96, 32))}
+    mx.save_safetensors(str(out / "model-vision.safetensors"), tower, metadata={"format": "mlx"})
+    index["weight_map"].update(dict.fromkeys(tower, "model-vision.safetensors"))
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
 IMAGE_TOKEN = "<image>"
 BOS = "<bos>"
 VLM_FAMILIES = {
