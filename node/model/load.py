@@ -180,7 +180,7 @@ def shard_for_tensor(model: nn.Module, plan: TensorPlan, weights, group) -> None
             "num_attention_heads and num_key_value_heads, without --split or memory_gb "
             "weights, or --mode pipeline"
         )
-    args = getattr(getattr(model, "language_model", None), "args", None)
+    args: Any = getattr(getattr(model, "language_model", None), "args", None)
     vocab = getattr(args, "vocab_size", None)
     whole_head = (  # qwen3_5's shard() splits an untied head by vocabulary, evenly only: the
         # head stays whole on every rank instead (each computes every logit) when it cannot
