@@ -35,7 +35,12 @@ def trimmable(model) -> bool:
     are needed: the answer's cache serves every shorter prompt). Asked of the kinds, not of
     a fresh cache: a sliding window cuts back only while it has not filled. The same on
     every rank (a pipeline stage's skipped slots answer for the layer they stand for)."""
-    return all(always_trimmable(c) for c in make_prompt_cache(model))
+    return cuts_back(make_prompt_cache(model))
+
+
+def cuts_back(cache: list) -> bool:
+    """Whether every slot of a cache list can always be cut back (``trimmable``)."""
+    return all(always_trimmable(c) for c in cache)
 
 
 def snapshot_points(total: int, cached: int, disk: bool = False) -> list[int]:

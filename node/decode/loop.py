@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream, stream_generate
+from mlx_lm.models.cache import make_prompt_cache
 
 from cluster.core.spec import SharedRequest
 from node.decode.prefill import (
@@ -150,26 +151,36 @@ def token_stream(
     feed = request.tokens if feed is None else feed
     extra = dict(STEP_ARGS)
     extra.setdefault("prefill_step_size", prefill_step(len(feed), STAGES[0]))
-    if speculation is not None:  # mlx-lm's speculative step takes --kv-bits too
-        extra.update(draft_model=speculation.proposer, num_draft_tokens=speculation.k)
-        model = Ticking(model)  # mlx-lm drops the prefill callback when it speculates
     chain = processors(request, len(feed))
     if made is not None:
         made += chain
-    return stream_generate(
-        model,
-        tokenizer,
-        mx.array(feed),
-        s.max_tokens,
-        sampler=sampler(request),
-        logits_processors=[
-            *([record_first(first_logits)] if first_logits is not None else []),
-            *chain,
-        ],
-        prompt_cache=prompt_cache,
-        prompt_progress_callback=on_progress or (lambda *_: progress.tick()),
-        **extra,
-    )
+
+    def responses(model, proposer=None) -> Iterable[Any]:
+        if proposer is not None:  # mlx-lm's speculative step takes --kv-bits too
+            extra.update(draft_model=proposer, num_draft_tokens=speculation.k)
+        return stream_generate(
+            model,
+            tokenizer,
+            mx.array(feed),
+            s.max_tokens,
+            sampler=sampler(request),
+            logits_processors=[
+                *([record_first(first_logits)] if first_logits is not None else []),
+                *chain,
+            ],
+            prompt_cache=prompt_cache,
+            prompt_progress_callback=on_progress or (lambda *_: progress.tick()),
+            **extra,
+        )
+
+    if speculation is None:
+        return responses(model)
+    from node.cache.rewind import speculating
+
+    model = Ticking(model)  # mlx-lm drops the prefill callback when it speculates
+    if prompt_cache is None:  # as mlx-lm makes it: the model's layers, then the proposer's
+        prompt_cache = make_prompt_cache(model) + make_prompt_cache(speculation.proposer)
+    return speculating(model, speculation.proposer, prompt_cache, responses)
 
 
 class Ticking(nn.Module):

@@ -113,6 +113,9 @@ class PromptLookup:
 def vocab_size(model) -> int:
     args = getattr(model, "args", None)
     size = getattr(args, "vocab_size", None)
+    if size is None:  # a config that nests the language model's (qwen3_5: text_config)
+        text = getattr(args, "text_config", None)
+        size = text.get("vocab_size") if isinstance(text, dict) else None
     if size is None:
         raise ModelError("prompt look-up needs the model's vocab_size in its config")
     return size

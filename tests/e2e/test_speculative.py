@@ -206,3 +206,19 @@ def test_a_missing_or_foreign_draft_is_named(drafts, tmp_path):
     foreign = make_model(tmp_path / "foreign", "llama", seed=1, vocab_size=384)
     p = run_cli("launch", "--model", drafts["model"], "--draft-model", foreign, "x")
     assert p.returncode == 2 and "its tokenizer is not the model's" in p.stderr
+
+
+@pytest.mark.parametrize("family, mode", [("qwen3_5", "pipeline"), ("gpt_oss", "tensor")])
+def test_caches_that_cannot_be_cut_are_rolled_back(family, mode, tmp_path):
+    """Linear attention (qwen3_5) and sliding windows (gpt_oss) cannot be trimmed: a rejected
+    draft puts their state back (node.cache.rewind). The draft is the model a little off, a
+    family of the same kind (its own caches rewound too): some proposals kept, some not, and
+    the text single-process mlx-lm's without a draft."""
+    from tests.support.tiny import make_model
+
+    model = make_model(tmp_path / "m", family, seed=1)
+    near = make_model(tmp_path / "near", family, seed=1, init_scale=8.08)
+    out = launch_json(model, "-n", 2, "--mode", mode, "--draft-model", near)
+    assert out["text"] == reference(model, PROMPT, MAX_TOKENS)
+    timings = out["timings"]
+    assert 0 < timings["draft_n_accepted"] < timings["draft_n"], timings
