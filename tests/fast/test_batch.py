@@ -143,24 +143,29 @@ def test_a_cancel_during_the_prefill_stops_it_within_one_chunk(tmp_path):
     assert cache[0].offset == 2048
 
 
-def test_kv_bits_reach_mlx_lm_with_and_without_a_draft(monkeypatch):
+def test_kv_bits_reach_mlx_lm_with_and_without_a_draft(monkeypatch, tmp_path):
     """--kv-bits goes to mlx-lm's stream_generate on every path, the speculative one too."""
+    from mlx_lm import load
+
     import node.decode.loop as g
     from node.decode.prefill import use_step_args
     from node.decode.sampling import seeded
+    from node.model.draft import PromptLookup, Speculation
+    from tests.support.tiny import make_model
 
+    model, _ = load(str(make_model(tmp_path / "m", "llama", seed=1)))
     seen: list[dict] = []
     monkeypatch.setattr(g, "stream_generate", lambda *a, **kw: seen.append(kw) or iter(()))
     use_step_args({"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 0})
+    proposer = PromptLookup(2, 512)
     try:
         request = SharedRequest(seeded(Sampling(max_tokens=2)), [1, 2])
-        g.token_stream(None, None, request)
-        draft = type("Speculation", (), {"proposer": "p", "k": 3})()
-        g.token_stream(None, None, request, speculation=draft)
+        list(g.token_stream(model, None, request))
+        list(g.token_stream(model, None, request, speculation=Speculation(proposer, 3)))
     finally:
         use_step_args({})
     assert all(kw["kv_bits"] == 4 and kw["quantized_kv_start"] == 0 for kw in seen), seen
-    assert seen[1]["draft_model"] == "p" and seen[1]["num_draft_tokens"] == 3
+    assert seen[1]["draft_model"] is proposer and seen[1]["num_draft_tokens"] == 3
 
 
 def test_pipeline_prefill_steps_make_enough_for_every_stage():
