@@ -431,6 +431,12 @@ class DiskCache:
         dtypes = json.loads(meta.get("dtypes", "{}"))
         if set(arrays) != set(manifest) or set(dtypes) != set(manifest):
             return "holds other layers than its plan"
+        if states:
+            mine = {k for k in arrays if k[1:].split(".")[0] in {str(i) for i in self.states}}
+        else:
+            mine = {f"{kind}{i}" for i in self.layers for kind in "kv"}
+        if set(arrays) != mine:  # a plan key of another layout (it names every part of it)
+            return "holds other layers than this rank's"
         for k, a in arrays.items():
             shape, dtype = manifest[k]
             fits = len(shape) == a.ndim and all(

@@ -5,7 +5,15 @@ import json
 import mlx.core as mx
 import pytest
 
-from tests.support.matrix import build_models, check_cell, check_cells_together, parse
+from tests.support.matrix import (
+    CACHE,
+    CACHE_PROMPT,
+    build_models,
+    cache_columns,
+    check_cell,
+    check_cells_together,
+    parse,
+)
 from tests.support.processes import ROOT, run_cli
 from tests.support.reference import (
     LOGIT_TOLERANCE,
@@ -42,7 +50,8 @@ def matrix(tmp_path_factory):
     table: dict = {family: {} for family in models}
     for mode in MODES:
         for n in CI_RANKS:
-            for family, cell in check_cells_together(models, mode, n, image, base).items():
+            together = check_cells_together(models, mode, n, image, base, cache=n == 2)
+            for family, cell in together.items():
                 table[family][f"{mode} {n}"] = cell
     return table
 
@@ -63,6 +72,17 @@ def test_matrix_row_is_what_docs_say(family, matrix):
             assert cell.detail == "0", f"pipeline logits must be exact: {cell}"
         if column.startswith("tensor") and family not in VLM_FAMILIES:  # recorded tolerance
             assert float(cell.detail) <= LOGIT_TOLERANCE, f"tensor logits: {cell}"
+
+
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_a_second_turn_is_cached_as_docs_say(family, matrix):
+    """docs/models.md's cache columns: a conversation's second turn through serve's batch at 2
+    ranks in both modes reads the first turn from memory and, after a restart, from disk,
+    with the answer a batch without a cache gives (every cache kind: snapshots where a cache
+    cannot be cut back)."""
+    got = cache_columns(list(matrix[family].values()))
+    assert got == (DOCS[family][CACHE[0]], DOCS[family][CACHE[1]])
+    assert got[0] == f"{CACHE_PROMPT + 4}/{CACHE_PROMPT + 4}", got  # all of it, every family
 
 
 def test_one_matrix_cell_through_launch_as_the_docs_page_runs_it(matrix, tmp_path):

@@ -369,3 +369,16 @@ def test_a_full_filesystem_is_said_once_and_the_rank_goes_on(model, tmp_path):
         assert n % BLOCK_TOKENS == 0 and not list(root.rglob("*.tmp"))
     finally:
         subprocess.run(["umount", str(root)], check=True)
+
+
+def test_blocks_of_another_layout_under_the_same_key_are_a_miss(model, tmp_path):
+    """The plan key names every part of a rank's layout; a store where another layout wrote
+    under the same key (a bug, a key made without the layers) is a miss, never a crash."""
+    path, m = model
+    layers = local_layers(make_prompt_cache(m))
+    first = DiskCache(tmp_path, PLAN, 1e9, layers)
+    assert first.save(TOKENS, prefilled(m, TOKENS)[0]) == 3
+    first.flush()
+    assert first.restore(m, TOKENS)[1] == 3 * BLOCK_TOKENS
+    fewer = DiskCache(tmp_path, PLAN, 1e9, layers[:-1])
+    assert fewer.restore(m, TOKENS) == (None, 0)

@@ -17,7 +17,7 @@ import os
 import platform
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
@@ -46,6 +46,29 @@ from tests.support.tiny import VLM_FAMILIES, make_model, make_vlm
 class Cell:
     status: str  # one of STATUSES
     detail: str = ""  # max |Δlogit|, or why unsupported / failed
+    # a second turn through serve's batch (matrix_ranks.second_turn): prompt, memory, disk,
+    # same; measured where asked (the 2-rank cells)
+    cache: dict | None = field(default=None, compare=False)
+
+
+CACHE = ("second turn cached", "disk tier")  # docs/models.md's cache columns
+CACHE_PROMPT = 300  # tokens of their first turn: one disk block (256) and then some
+
+
+def cache_columns(cells: list[Cell]) -> tuple[str, str]:
+    """docs/models.md's "second turn cached" and "disk tier" for a row: the fewest tokens any
+    measured cell read of the first turn's prompt ("differs" where an answer from the cache
+    was not the uncached one; "off" where the disk tier does not keep the family's caches)."""
+    measured = [c.cache for c in cells if c.cache]
+    if not measured:
+        return "-", "-"
+    if not all(m["same"] for m in measured):
+        return "differs", "differs"
+    prompt = measured[0]["prompt"]
+    memory = f"{min(m['memory'] for m in measured)}/{prompt}"
+    disks = [m["disk"] for m in measured]
+    disk = "off" if any(d is None for d in disks) else f"{min(disks)}/{prompt}"
+    return memory, disk
 
 
 def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -110,8 +133,9 @@ def check_cell(
 
 
 def check_cells_together(
-    models: dict[str, Path], mode: str, ranks: int, image: Path, scratch: Path
-) -> dict[str, Cell]:
+    models: dict[str, Path], mode: str, ranks: int, image: Path, scratch: Path,
+    cache: bool = False,
+) -> dict[str, Cell]:  # fmt: skip
     """The cells of one mode and rank count, every model in one start of the ranks
     (tests/support/matrix_ranks.py; ring over loopback, the environment ``launch -n``
     gives): the same
@@ -130,7 +154,8 @@ def check_cells_together(
         cells.append(
             {"family": family, "model": str(model), "image": str(image) if vlm else None,
              "prompt": VLM_PROMPT if vlm else PROMPT,
-             "tokens": SHORT_TOKENS if short else MAX_TOKENS}
+             "tokens": SHORT_TOKENS if short else MAX_TOKENS,
+             "cache": str(scratch / f"disk-{mode}-{ranks}") if cache and not vlm else None}
         )  # fmt: skip
     job = scratch / f"{mode}-{ranks}"
     job.mkdir(parents=True, exist_ok=True)
@@ -175,6 +200,7 @@ def check_cells_together(
             model = Path(cell["model"])
             same = same_text(answer["text"], reference(model), cell["tokens"])
             results[family] = compare_logits(same, answer["logits"], reference_logits(model))
+            results[family].cache = answer.get("cache")
     return results
 
 
@@ -216,6 +242,11 @@ def run_matrix(
                 row[f"{mode} {n}"] = cell
                 if log:
                     log(f"{family:12} {mode:8} {n}: {cell.status} {cell.detail}")
+    for mode in modes:  # the cache columns: a second turn at 2 ranks, as the CI suite runs it
+        together = check_cells_together(models, mode, 2, image, base, cache=True)
+        for family, cell in together.items():
+            if f"{mode} 2" in results[family]:
+                results[family][f"{mode} 2"].cache = cell.cache
     return results
 
 
@@ -252,13 +283,24 @@ def render(results: dict[str, dict[str, Cell]]) -> str:
         "- **differs**: the text diverges and a logit is further off (a bug).",
         "- **unsupported**: the tool refuses before or while loading, with the reason below.",
         "- **failed**: the run broke (a bug).",
+        f"- **{CACHE[0]}**: a conversation's second turn through serve's batch at 2 ranks",
+        f"  (both modes; `tests/support/matrix_ranks.py`): of the first turn's {CACHE_PROMPT}",
+        "  prompt tokens and 4 answer tokens, how many the prompt cache gave (the fewest over",
+        "  the cells; a family whose cache cannot be cut back keeps snapshots, `node/cache/`);",
+        f"  **{CACHE[1]}**: the same turn after a restart, from each rank's disk (its last",
+        "  256-token block boundary; `off`: a cache kind the tier does not keep). Both answers",
+        "  equal a batch's without any cache, or the cell says `differs`.",
         "- Long prompts (32k to 128k tokens): [below](#long-context).",
         "",
         f"Measured with mlx {version('mlx')}, mlx-lm {version('mlx-lm')}, mlx-vlm "
         f"{version('mlx-vlm')} on {platform.system()} {platform.machine()}.",
         "",
-        "| family | " + " | ".join(f"{c} ranks" for c in columns) + " |",
-        "|---|" + "---|" * len(columns),
+        "| family | "
+        + " | ".join(f"{c} ranks" for c in columns)
+        + " | "
+        + " | ".join(CACHE)
+        + " |",
+        "|---|" + "---|" * (len(columns) + len(CACHE)),
     ]
     for family, row in results.items():
         cells = []
@@ -272,6 +314,7 @@ def render(results: dict[str, dict[str, Cell]]) -> str:
             else:
                 cells.append(f"{cell.status} (Δ {cell.detail})")
         name = f"{family} (vision)" if family in VLM_FAMILIES else family
+        cells += cache_columns(list(row.values()))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if notes:
         lines += ["", "Reasons:", ""]
@@ -327,5 +370,8 @@ def parse(markdown: str) -> dict[str, dict[str, str]]:
     for line in rows[1:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         family = cells[0].removesuffix(" (vision)")
-        table[family] = {col: cell.split()[0] for col, cell in zip(columns, cells[1:], strict=True)}
+        table[family] = {
+            col: cell if col in CACHE else cell.split()[0]
+            for col, cell in zip(columns, cells[1:], strict=True)
+        }
     return table

@@ -28,6 +28,7 @@ from node.jobs.oneshot import make_job_request  # noqa: E402
 from node.model.load import load_shard  # noqa: E402
 from node.rank.dist import barrier, init_group  # noqa: E402
 from node.rank.share import share_typed  # noqa: E402
+from tests.support.matrix import CACHE_PROMPT  # noqa: E402
 
 
 def run_cell(cell: dict, mode: str, group) -> dict | None:
@@ -50,8 +51,66 @@ def run_cell(cell: dict, mode: str, group) -> dict | None:
         generate(loaded.model, loaded.tokenizer, shared, write, group, first_logits=first)
         answer["logits"] = first[0].tolist()
     answer["text"] = "".join(pieces)
+    if image is None and cell.get("cache"):
+        answer["cache"] = second_turn(loaded, group, Path(cell["cache"]))
     barrier(group)
     return answer if rank0 else None
+
+
+def second_turn(loaded, group, folder: Path) -> dict:
+    """A conversation's second turn through serve's batch (node.jobs.batch.Lockstep, every
+    rank), as docs/models.md's cache columns report it: the first turn answered, then the
+    prompt, its answer and more tokens; how many came from the prompt cache in memory, then
+    from the disk tier in a batch started afresh (a restart; None where the family's caches
+    are kinds the disk tier does not keep), and whether both answers are the one a batch
+    without any cache gives."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from cluster.core.spec import Order
+    from node.cache.disk import DiskCache, agree_min, local_layers, plan_key, state_layers
+    from node.jobs.batch import Lockstep
+
+    vocab = loaded.tokenizer.vocab_size
+
+    def answer(batch, prompt: list[int]) -> tuple[list[int], int]:
+        request = SharedRequest(Sampling(max_tokens=4), prompt)
+        ((_, cached, why),) = batch.apply(Order(insert=[request]))
+        assert why is None, why
+        out: list[int] = []
+        while batch.live:
+            batch.round(lambda r: out.append(r.token))
+        return out, cached
+
+    fresh = make_prompt_cache(loaded.model)
+    layers = local_layers(fresh)
+    disk = None
+    if agree_min(int(layers is not None), group):
+        key = plan_key(rank=group.rank(), model=str(loaded.path))
+        disk = DiskCache(folder, key, 1e9, layers or [], group=group, states=state_layers(fresh))
+
+    def batch(size: int, tier=None) -> Lockstep:
+        return Lockstep(loaded.model, loaded.tokenizer, 4, 4, size, group=group, disk=tier)
+
+    first = [(7 * i) % (vocab - 2) + 1 for i in range(CACHE_PROMPT)]
+    memory = batch(10, disk)
+    said, _ = answer(memory, first)
+    turn = first + said + [3, 4, 5]
+    got, cached = answer(memory, turn)
+    if disk is not None:
+        disk.flush()
+    memory.close()
+    plain = batch(0)
+    want, _ = answer(plain, turn)
+    plain.close()
+    # what the second turn shares with the first: its prompt and its answer
+    result = {"prompt": len(first) + len(said), "memory": cached, "disk": None,
+              "same": got == want}  # fmt: skip
+    if disk is not None:
+        again = batch(10, disk)  # a restart: memory empty, the disk as the first batch left it
+        got, cached = answer(again, turn)
+        again.close()
+        result.update(disk=cached, same=result["same"] and got == want)
+    return result
 
 
 def main() -> int:
