@@ -28,6 +28,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from node.model.stage import always_trimmable
 
 FIRST_SNAPSHOT = 256  # tokens: the first block boundary kept (node.cache.disk.BLOCK_TOKENS)
+# the most a prompt keeps in memory (doubling from 256 to 256k tokens, and its end): the
+# prompt cache's count of entries grows by as many per answer it keeps (bytes bound them all)
+SNAPSHOTS_PER_PROMPT = 12
 
 
 def trimmable(model) -> bool:

@@ -59,7 +59,7 @@ from mlx_lm.models.cache import (
 
 from cluster.core.spec import Order
 from node.cache.disk import BLOCK_TOKENS, worth_reading
-from node.cache.snapshots import in_memory, segments, trimmable
+from node.cache.snapshots import SNAPSHOTS_PER_PROMPT, in_memory, segments, trimmable
 from node.decode.grammar import Constrained, compiling, mask_batch
 from node.decode.loop import STOP_CHECK_EVERY, Ticking
 from node.decode.prefill import PREFILL_STEP, prefill_step
@@ -298,12 +298,12 @@ class Lockstep:
         disk=None,
         micro_batches: int = 1,
     ):
-        self.prompt_cache = (
-            LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
-        )
         # a cache that cannot be cut back keeps snapshots while prompts prefill
-        # (node.cache.snapshots); every rank alike: the same model, the same prompt cache
-        self.snapshots = self.prompt_cache is not None and not trimmable(model)
+        # (node.cache.snapshots); every rank alike: the same model, the same prompt cache.
+        # --prompt-cache-size counts answers: their snapshots ride along, in bytes as any entry
+        self.snapshots = bool(prompt_cache_size) and not trimmable(model)
+        entries = prompt_cache_size * (SNAPSHOTS_PER_PROMPT + 1 if self.snapshots else 1)
+        self.prompt_cache = LRUPromptCache(max_size=entries) if prompt_cache_size else None
         self.cache_bytes = cache_bytes  # this rank's most bytes of kept caches
         self.group = group
         self.vocab = vocab or tokenizer.vocab_size
