@@ -22,9 +22,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from cluster.core.modelcheck import ModelError
-from cluster.core.tensorplan import TensorPlan
+from cluster.core.tensorplan import TensorPlan, spans
 
 ATTENTION = ("self_attn", "attention", "attn")
+LINEAR = ("linear_attn",)  # a gated delta net (Qwen3-Next's linear attention)
+LINEAR_PARTS = {"in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj"}
 MLP = ("mlp", "block_sparse_moe", "feed_forward")
 HEADS = ("n_heads", "num_heads", "num_attention_heads")
 KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
@@ -143,12 +145,13 @@ def shard_attention(attn: nn.Module, plan: TensorPlan, rank: int, group) -> None
     heads_name, kv_name = attr_of(attn, HEADS), attr_of(attn, KV_HEADS)
     fused = "qkv_proj" in children(attn)
     n_heads, n_kv = getattr(attn, heads_name), getattr(attn, kv_name)
-    dim = head_dim(attn)
-    v_dim = output_dims(attn.v_proj) // n_kv if "v_proj" in attn else dim
+    dim = head_dim(attn)  # a query head's rows (Qwen3-Next's hold a gate too: twice a key's)
+    k_dim = output_dims(attn.k_proj) // n_kv if "k_proj" in attn else dim
+    v_dim = output_dims(attn.v_proj) // n_kv if "v_proj" in attn else k_dim
     heads, kvs = plan.attention(n_heads, n_kv)
     (h0, h1), kv = heads[rank], kvs[rank]
     q = [r for h in range(h0, h1) for r in range(h * dim, (h + 1) * dim)]
-    k = [r for h in kv for r in range(h * dim, (h + 1) * dim)]
+    k = [r for h in kv for r in range(h * k_dim, (h + 1) * k_dim)]
     if fused:  # [q | k | v] rows in one layer
         base_k, base_v = n_heads * dim, (n_heads + n_kv) * dim
         keep_rows(attn.qkv_proj, q + [base_k + r for r in k] + [base_v + r for r in k])
@@ -226,11 +229,15 @@ def attention_problem(attn: nn.Module) -> str | None:
             f"its attention ({type(attn).__name__}) has the parts {', '.join(sorted(parts))}, "
             "not q/k/v (or qkv) and o projections"
         )
-    dim = head_dim(attn)
+    dims = {head_dim(attn)}
+    if "k_proj" in parts:  # a query head may be wider than a key's (a gate beside it)
+        dims.add(output_dims(attn.k_proj) // getattr(attn, kv_name))
     for name, heads in zip(NORMS, (heads_name, kv_name), strict=True):
         weight = getattr(attn, name, None)
         weight = weight.get("weight") if weight is not None else None
-        if weight is not None and weight.shape not in ((dim,), (getattr(attn, heads), dim)):
+        shapes = {(d,) for d in dims} | {(getattr(attn, heads), d) for d in dims}
+        if weight is not None and tuple(weight.shape) not in shapes:
+            dim = max(dims)
             return (
                 f"its {name} normalises across heads (weight {tuple(weight.shape)}, head_dim "
                 f"{dim}): a rank does not hold every head"
@@ -252,10 +259,60 @@ def mlp_problem(block: nn.Module) -> str | None:
     return f"its MLP ({type(block).__name__}) has the parts {', '.join(sorted(parts))}"
 
 
+def linear_problem(la: nn.Module) -> str | None:
+    parts = set(children(la))
+    if parts != LINEAR_PARTS:
+        return (f"its linear attention ({type(la).__name__}) has the parts "
+                f"{', '.join(sorted(parts))}, not {', '.join(sorted(LINEAR_PARTS))}")  # fmt: skip
+    counts = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+    if not all(isinstance(getattr(la, n, None), int) for n in counts):
+        return f"its linear attention ({type(la).__name__}) keeps no head counts we know"
+    return None
+
+
+def shard_linear_attention(la: nn.Module, plan: TensorPlan, rank: int, group) -> None:
+    """A gated delta net (Qwen3-Next): each rank keeps a span of the key heads and the value
+    heads that go with them, through every part that holds them (its fused input projections,
+    grouped by key head; the depthwise convolution's q, k and v channels; the per-head decay
+    and step; the output projection's inputs, summed over the ranks). Each rank's cache then
+    holds its own heads' state."""
+    nk, nv, dk, dv = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
+    ratio = nv // nk
+    try:
+        k0, k1 = spans(nk, plan.weights or [1.0] * len(plan.heads))[rank]
+    except ValueError:
+        raise ModelError(
+            f"tensor mode gives each rank a span of the linear attention's {nk} key heads: use "
+            f"at most {nk} ranks, or --mode pipeline"
+        ) from None
+    v0, v1 = k0 * ratio, k1 * ratio
+    group_rows = 2 * dk + 2 * ratio * dv  # q, k, v, z of one key head, side by side
+    keep_rows(
+        la.in_proj_qkvz,
+        [r for h in range(k0, k1) for r in range(h * group_rows, (h + 1) * group_rows)],
+    )
+    keep_rows(
+        la.in_proj_ba, [r for h in range(k0, k1) for r in range(h * 2 * ratio, (h + 1) * 2 * ratio)]
+    )
+    key_dim = nk * dk
+    channels = [*range(k0 * dk, k1 * dk), *range(key_dim + k0 * dk, key_dim + k1 * dk),
+                *range(2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv)]  # fmt: skip
+    la.conv1d.weight = mx.contiguous(mx.take(la.conv1d.weight, mx.array(channels), axis=0))
+    la.conv1d.groups = len(channels)
+    for name in ("dt_bias", "A_log"):
+        la[name] = mx.contiguous(la[name][v0:v1])
+    keep_inputs(la.out_proj, v0 * dv, v1 * dv)
+    la.out_proj = RowParallel(la.out_proj, group)
+    la.num_k_heads, la.num_v_heads = k1 - k0, v1 - v0
+    la.key_dim, la.value_dim = (k1 - k0) * dk, (v1 - v0) * dv
+    la.conv_dim = len(channels)
+
+
 def layer_problem(layer: nn.Module) -> str | None:
     """Why tensor mode cannot shard this decoder layer by its parts, or None when it can."""
     parts = children(layer)
-    attn = next((a for a in ATTENTION if a in parts), None)
+    linear = next((a for a in LINEAR if a in parts), None)
+    attn = linear or next((a for a in ATTENTION if a in parts), None)
     mlp = next((m for m in MLP if m in parts), None)
     if attn is None or mlp is None:
         return f"{type(layer).__name__} has no attention or MLP under a name we know"
@@ -264,11 +321,8 @@ def layer_problem(layer: nn.Module) -> str | None:
     if others:
         return f"{type(layer).__name__} has parts we do not know: {', '.join(others)}"
     experts = [mlp_problem(parts[e]) for e in EXPERTS if e in parts]
-    return (
-        attention_problem(parts[attn])
-        or mlp_problem(parts[mlp])
-        or next((p for p in experts if p), None)
-    )
+    mixer = linear_problem(parts[attn]) if linear else attention_problem(parts[attn])
+    return mixer or mlp_problem(parts[mlp]) or next((p for p in experts if p), None)
 
 
 def shard_tensor(layers: list[nn.Module], plan: TensorPlan, group) -> None:
@@ -276,9 +330,12 @@ def shard_tensor(layers: list[nn.Module], plan: TensorPlan, group) -> None:
     rank = group.rank()
     for layer in layers:
         parts = children(layer)
-        attn = next(a for a in ATTENTION if a in parts)
         mlp = next(m for m in MLP if m in parts)
-        shard_attention(parts[attn], plan, rank, group)
+        linear = next((a for a in LINEAR if a in parts), None)
+        if linear is not None:
+            shard_linear_attention(parts[linear], plan, rank, group)
+        else:
+            shard_attention(parts[next(a for a in ATTENTION if a in parts)], plan, rank, group)
         for name in (mlp, *(e for e in EXPERTS if e in parts)):
             block = parts[name]
             if any(s in children(block) for s in SWITCH):
