@@ -471,14 +471,16 @@ class Lockstep:
     def in_memory(self, tokens: list[int], scope: str = MODEL_KEY) -> tuple:
         if self.prompt_cache is None:
             return None, tokens
-        cache, rest = self.prompt_cache.fetch_nearest_cache(scope, tokens)
-        if cache is not None and not rest:  # the whole prompt is cached: run its last token
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, 1)
-                return cache, tokens[-1:]
-            # a snapshot serves: the state of a shorter prefix (node.cache.snapshots)
+        if self.snapshots:  # the last token is fed anyway: a cache at most one token short
+            # (an entry of the whole prompt could not be cut back to it; node.cache.snapshots)
             cache, rest = self.prompt_cache.fetch_nearest_cache(scope, tokens[:-1])
             return cache, [*rest, tokens[-1]]
+        cache, rest = self.prompt_cache.fetch_nearest_cache(scope, tokens)
+        if cache is not None and not rest:  # the whole prompt is cached: run its last token
+            if not can_trim_prompt_cache(cache):
+                return None, tokens
+            trim_prompt_cache(cache, 1)
+            rest = tokens[-1:]
         return cache, rest
 
     def keep(self, response) -> None:
