@@ -112,7 +112,7 @@ def run(spec: JobSpec) -> None:
         loaded.speculation = load_draft(spec.draft, loaded, group)
     door = None
     if spec.command == "serve" and spec.handoff.role == "decode":  # KV comes from prefill groups
-        from node.rank.handoff import open_door
+        from node.cache.handoff import open_door
 
         door = open_door(loaded, spec, group.rank(), log)
     barrier(group)

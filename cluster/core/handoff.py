@@ -9,6 +9,13 @@ for one rank. The handoff is re-cut to the decode group's plan: for each layer a
 decode rank needs, the lowest prefill rank that holds it sends it, so every sharding pair
 works (one rank to pipeline or tensor 2, pipeline 2 to one rank, tensor to pipeline, ...)
 and each byte crosses a link once per rank that needs it.
+
+This year's models keep more than KV in some layers (issue 63): a sliding window
+(``RotatingKVCache``: gpt-oss, Gemma, Step-3.5) still has a KV head axis, so it is re-cut by
+heads like KV, sent whole at the prompt's end (its buffer is not laid out by token); any other
+state (a linear attention's ``ArraysCache``: Qwen3.5/3.6, Qwen3-Next; a ``CacheList``) is not
+split by KV heads, so it goes whole, and only between ranks that hold it alike (``Layout.part``:
+both hold their layers whole, or the same rank of tensor groups of one plan).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.core.modelcheck import choose_split, num_layers, text_config
+from cluster.core.modelcheck import choose_split, kv_shared_layers, num_layers, text_config
 from cluster.core.shards import pipeline_range
 from cluster.core.tensorplan import plan_tensor
 
@@ -31,6 +38,9 @@ class Layout:
 
     layers: tuple[int, ...]
     heads: tuple[int, ...]
+    # how this rank holds each of its layers: () whole (pipeline, one rank); a tensor rank's
+    # (rank, ranks, weights...): ranks with the same part hold a layer's state alike
+    part: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,18 @@ class Piece:
     layer: int
     send: tuple[int, ...]
     place: tuple[int, ...]
+    whole: bool = False  # the layer's whole state, as the sender holds it (send/place empty)
+
+
+KV, WINDOW, STATE = "kv", "window", "state"  # how a layer's cache travels (``plan_pieces``)
+
+
+def travels_as(kind: str) -> str:
+    """How a cache class (its name) travels: KV by tokens and heads, a sliding window by
+    heads, anything else as a whole state."""
+    if kind == "KVCache":
+        return KV
+    return WINDOW if kind == "RotatingKVCache" else STATE
 
 
 def group_layouts(config: dict[str, Any], mode: str, world: int,
@@ -57,25 +79,45 @@ def group_layouts(config: dict[str, Any], mode: str, world: int,
     n_kv = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
     if not isinstance(n_kv, int):
         raise ValueError("config.json gives no num_attention_heads")
-    every_layer, every_head = tuple(range(n)), tuple(range(n_kv))
+    cached = n - kv_shared_layers(config)  # Gemma 4's last layers reuse earlier ones' KV
+    every_layer, every_head = tuple(range(cached)), tuple(range(n_kv))
     if world == 1:
         return [Layout(every_layer, every_head)]
     if mode == "tensor":
         plan = plan_tensor(config, world, split or weights)
-        return [Layout(every_layer, tuple(kv)) for kv in plan.kv]
+        shares = tuple(split or weights or ())
+        return [Layout(every_layer, tuple(kv), (r, world, *shares)) for r, kv in enumerate(plan.kv)]
     chosen = choose_split(config, world, split, weights)
-    return [Layout(tuple(range(*pipeline_range(n, world, r, chosen))), every_head)
-            for r in range(world)]  # fmt: skip
+    return [Layout(tuple(range(min(cached, a), min(cached, b))), every_head)
+            for a, b in (pipeline_range(n, world, r, chosen) for r in range(world))]  # fmt: skip
 
 
-def plan_pieces(senders: list[Layout], receivers: list[Layout]) -> list[Piece]:
+def plan_pieces(senders: list[Layout], receivers: list[Layout],
+                kinds: dict[int, str] | None = None) -> list[Piece]:  # fmt: skip
     """The pieces of a handoff from a group laid out as ``senders`` to one laid out as
     ``receivers``: every (layer, head) each receiver holds, from the lowest sender that
     holds it; ValueError naming one that no sender holds (the groups serve different
-    models)."""
+    models). ``kinds``: each layer's cache class (``travels_as``; KV where absent): a state
+    comes whole from the lowest sender that holds it alike (a window too, else by heads),
+    ValueError saying which groups can hand it where none does."""
     pieces = []
     for r, need in enumerate(receivers):
         for layer in need.layers:
+            travel = travels_as((kinds or {}).get(layer, "KVCache"))
+            if travel != KV:
+                alike = next((s for s, have in enumerate(senders)
+                              if layer in have.layers and have.part == need.part
+                              and have.heads == need.heads), None)  # fmt: skip
+                if alike is not None:
+                    pieces.append(Piece(alike, r, layer, (), (), whole=True))
+                    continue
+                if travel == STATE:
+                    raise ValueError(
+                        f"layer {layer} keeps a state that is not split by KV heads (a "
+                        f"{(kinds or {}).get(layer)}: a linear attention's, or several caches): "
+                        "it can be handed only between ranks that hold it alike (both groups "
+                        "pipeline or one rank, or tensor groups of the same size)"
+                    )
             by_sender: dict[int, tuple[list[int], list[int]]] = {}
             for place, head in enumerate(need.heads):
                 s = next((s for s, have in enumerate(senders)

@@ -193,7 +193,7 @@ def choose_split(
         if tail is not None and split[0] < layers - tail:
             raise ModelError(
                 f"--split {','.join(map(str, split))}: this model's last "
-                f"{layers - _kv_shared(config)} layers reuse the keys and values of layers "
+                f"{layers - kv_shared_layers(config)} layers reuse the keys and values of layers "
                 f"from {tail} on, so the last stage (the first entry) must hold layers "
                 f"{tail}-{layers - 1}: give it at least {layers - tail}, or use --mode tensor"
             )
@@ -205,7 +205,9 @@ def choose_split(
     return None
 
 
-def _kv_shared(config: dict[str, Any]) -> int:
+def kv_shared_layers(config: dict[str, Any]) -> int:
+    """How many of the last layers keep no cache of their own (Gemma 4's and 3n's: they
+    attend over an earlier layer's keys and values)."""
     shared = text_config(config).get("num_kv_shared_layers")
     return shared if isinstance(shared, int) and shared > 0 else 0
 
@@ -215,7 +217,7 @@ def kv_shared_tail(config: dict[str, Any]) -> int | None:
     the last earlier layer of their kind (sliding or full) made, handed on within the forward
     pass: the first layer that one pipeline stage must hold with all that follow (None: no
     sharing). Handing a stage's keys and values to the next would cost a KV cache per token."""
-    shared, n = _kv_shared(config), num_layers(config)
+    shared, n = kv_shared_layers(config), num_layers(config)
     if not shared or n is None or shared >= n:
         return None
     cfg = text_config(config)

@@ -276,6 +276,7 @@ class Handed:
     nbytes: int
     seconds: float
     error: str | None = None
+    lasting: bool = False  # the error holds for every prompt: these groups cannot hand off
 
 
 CANCELLED = "cancelled"  # Handed.error of a prefill stopped because its client left

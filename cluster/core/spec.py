@@ -451,7 +451,7 @@ class Order:
 @dataclass
 class Expect:
     """A ticket whose KV every decode rank's door is to hold whole, for the prompt whose
-    tokens' digest is ``tokens`` (node.rank.handoff.tokens_digest): the KV of another
+    tokens' digest is ``tokens`` (node.cache.handoff.tokens_digest): the KV of another
     prompt is never adopted."""
 
     ticket: str

@@ -221,6 +221,7 @@ class Fleet:
         self.prefillers = [g for g in groups if g.spec.handoff.role == "prefill"]
         self.decoders = [g for g in groups if g.spec.handoff.role != "prefill"]
         self.min_handoff = first.settings.disaggregate_min_tokens
+        self.barred: set[tuple[int, int]] = set()  # (prefill, decode) groups that cannot hand off
 
     @property
     def url(self) -> str:
@@ -254,7 +255,8 @@ class Fleet:
         ``decoder``'s ranks; ``decoder`` holds the request until its ranks have it, or
         prefills it itself when the handoff fails."""
         doors = decoder.handoff_doors()
-        ready = [g for g in self.prefillers if g.ready and not g.closed and not g.draining_now]
+        ready = [g for g in self.prefillers if g.ready and not g.closed and not g.draining_now
+                 and (g.group, decoder.group) not in self.barred]  # fmt: skip
         if doors is None or not ready or self.to_prefill(req, decoder) < self.min_handoff:
             return
         prefiller = min(ready, key=lambda g: (g.load.prompt_tokens + g.load.requests, g.group))
@@ -271,9 +273,16 @@ class Fleet:
         def handed(event: Handed) -> None:  # on the prefill group's loop
             if event.error == CANCELLED:  # its client left; the decode group forgot it too
                 return
-            if event.error is not None:
+            if event.error is not None and event.lasting:  # the model's cache, not the prompt
+                if (prefiller.group, decoder.group) not in self.barred:
+                    self.barred.add((prefiller.group, decoder.group))
+                    pair = f"group {prefiller.group} cannot hand prompts to group {decoder.group}"
+                    log(prefiller.stderr, f"{pair} ({event.error}); group {decoder.group} "
+                                          "prefills its prompts itself")  # fmt: skip
+            elif event.error is not None:
                 log(prefiller.stderr, f"a handoff failed ({event.error}); group "
                                       f"{decoder.group} prefills the prompt itself")  # fmt: skip
+            if event.error is not None:
                 decoder.post(decoder.write, {"op": "handoff_failed", "ticket": ticket.ticket})
                 return
             self.metrics.handoffs.labels(group=str(prefiller.group)).inc()

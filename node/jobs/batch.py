@@ -447,8 +447,8 @@ class Lockstep:
     def adopt(self, ticket: str, cache_key: str | None) -> dict:
         """A handoff every rank holds whole, planted in the prompt cache (every rank alike),
         where the request that waits for it finds it as any cached prefix; its figures
-        (node.rank.handoff.handoff_figures: one all_sum)."""
-        from node.rank.handoff import adopted_cache, handoff_figures
+        (node.cache.handoff.handoff_figures: one all_sum)."""
+        from node.cache.handoff import adopted_cache, handoff_figures
 
         got, cache = adopted_cache(ticket, self.model)
         if self.prompt_cache is not None and got.tokens:

@@ -529,12 +529,13 @@ class Scheduler:
         """A prefill group's rank 0, between chunks: the client of the prompt under way left."""
         return bool(self.inserting) and self.inserting[0][0].cancel.is_set()
 
-    def handed(self, order: PrefillOrder, nbytes: int, seconds: float, error: str | None) -> None:
+    def handed(self, order: PrefillOrder, nbytes: int, seconds: float, error: str | None,
+               lasting: bool = False) -> None:  # fmt: skip
         """A prefill group's rank 0: the handoff done (or not), told to the launcher."""
         flight, _ = self.inserting[0]
         self.inserting = []
         self.emit(Handed(order.request, order.handoff.ticket, len(order.tokens), nbytes,
-                         round(seconds, 4), error))  # fmt: skip
+                         round(seconds, 4), error, lasting))  # fmt: skip
         self.inbox.ended(flight)
 
     def handoffs(self, order: Order) -> None:
@@ -544,7 +545,7 @@ class Scheduler:
         requests prefill here)."""
         if not (self.expecting or self.handed_now or self.awaiting):
             return
-        from node.rank.handoff import heard
+        from node.cache.handoff import heard
 
         failed = self.inbox.handoffs_failed
         now = time.monotonic()
@@ -866,9 +867,9 @@ def run_serve(job: Job) -> None:
                                             job.disk)  # fmt: skip
     import mlx.core as mx
 
+    from node.cache import handoff
     from node.decode.prefill import PREFILL_STEP
     from node.jobs.batch import Lockstep, batchable, micro_batches_note
-    from node.rank import handoff
     from node.rank.memory import memory_left
     from node.rank.share import share_order, share_typed
     from node.rank.watchdog import can_rest, launcher_input, wait_for_wake

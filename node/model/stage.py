@@ -143,12 +143,15 @@ class SkippedCache(_BaseCache):
     objects; so a skipped slot names its twin by layer index and ``resolve_twins`` points it at
     the twin in the list the model is called with."""
 
-    def __init__(self, twin: Any, twin_index: int, stands_for: bool | None = None):
+    def __init__(self, twin: Any, twin_index: int, stands_for: bool | None = None,
+                 kind: str = ""):  # fmt: skip
         self.twin = twin
         self.twin_index = twin_index
         # whether the slot's own cache could always be cut back (node.cache.snapshots asks
-        # every rank alike, whichever layers it holds)
+        # every rank alike, whichever layers it holds), and its class's name (a handoff's
+        # plan: node.cache.handoff.cache_kinds)
         self.stands_for = stands_for
+        self.kind = kind
 
     @property
     def offset(self):
@@ -270,7 +273,8 @@ def apply_stages(
         held = range(start, min(end, len(caches)))  # gemma4: no slots for KV-sharing layers
         for i in [*range(min(start, len(caches))), *range(end, len(caches))]:
             twin = next((j for j in held if type(caches[j]) is type(caches[i])), start)
-            caches[i] = SkippedCache(caches[twin], twin, always_trimmable(caches[i]))
+            caches[i] = SkippedCache(caches[twin], twin, always_trimmable(caches[i]),
+                                     type(caches[i]).__name__)  # fmt: skip
         return caches
 
     object.__setattr__(model, "make_cache", make_cache)

@@ -46,13 +46,13 @@ def split(models, tmp_path_factory):
             assert served.stop() == 0, "".join(served.log)
 
 
-def chat(served, messages: list[dict]) -> dict:
+def chat(served, messages: list[dict], model: str = "qwen2") -> dict:
     """The raw answer (its timings say whether a prefill group prefilled it)."""
-    body = {"model": "qwen2", "messages": messages, "max_tokens": TOKENS, "temperature": 0}
+    body = {"model": model, "messages": messages, "max_tokens": TOKENS, "temperature": 0}
     req = urllib.request.Request(f"http://127.0.0.1:{served.port}/v1/chat/completions",
                                  json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})  # fmt: skip
-    return json.loads(urllib.request.urlopen(req, timeout=60).read())
+    return json.loads(urllib.request.urlopen(req, timeout=180).read())
 
 
 def plans_with_blocks(folder) -> int:
@@ -124,3 +124,41 @@ def role_of(pid: int) -> str:
     path = re.search(r"(\S+/rank\d+/job\.json)", _cmdline(pid))
     assert path, _cmdline(pid)
     return json.loads(open(path[1]).read())["handoff"]["role"]
+
+
+def test_a_hybrid_models_9k_token_prompt_is_handed_off_and_answers_as_one_process(tmp_path):
+    """Qwen3.5's linear attention (issue 63): the layers' states come whole once the prompt
+    is prefilled (pipeline 2 to pipeline 2, on this machine without a hostfile), the
+    full-attention layers' KV a chunk at a time; the text is single-process mlx-lm's, and
+    the next turn starts from the handed-off state."""
+    from tests.e2e.test_serve import conversation_reference
+    from tests.support.long_context import long_text
+    from tests.support.tiny import FAMILIES, make_model
+
+    # attention over 9k tokens is what costs on this CPU (~70M exp/s): 2 heads, 1 layer of 4
+    text_config = {**FAMILIES["qwen3_5"]["text_config"], "max_position_embeddings": 16384,
+                   "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 4,
+                   "full_attention_interval": 4}  # fmt: skip
+    model = make_model(tmp_path / "qwen3_5", "qwen3_5", seed=1, chat_template=True,
+                       text_config=text_config)  # fmt: skip
+    served = Served(model, "-n", "4", "--replicas", "2", "--prefill-groups", "1",
+                    "--mode", "pipeline", "--disaggregate-min-tokens", "64")  # fmt: skip
+    try:
+        wait_for(lambda: get(served, "/health")[1]["groups_ready"] == 2)
+        messages = [{"role": "user", "content": long_text(model, 9000)}]
+        first = chat(served, messages, model.name)
+        assert text(first) == conversation_reference(model, messages, TOKENS)
+        t, prompt = first["timings"], first["usage"]["prompt_tokens"]
+        assert prompt >= 9000 and t["handoff_n"] == prompt - 1 and t["handoff_bytes"] > 0, t
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
+        print(
+            f"\nqwen3_5: {prompt} tokens handed off, {t['handoff_bytes']} bytes in "
+            f"{t['handoff_ms']} ms"
+        )
+        second = [*messages, {"role": "assistant", "content": text(first)},
+                  {"role": "user", "content": "And tuples?"}]  # fmt: skip
+        again = chat(served, second, model.name)
+        assert text(again) == conversation_reference(model, second, TOKENS)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt - 1
+    finally:
+        assert served.stop() == 0, "".join(served.log)

@@ -485,6 +485,27 @@ def test_a_client_that_leaves_takes_its_prefill_groups_copy_with_it():
     assert len(sent[1]) == 2 and metrics.handoffs.labels(group="0")._value.get() == 0
 
 
+def test_groups_that_cannot_hand_this_models_cache_off_stop_trying_and_say_why_once():
+    """A hybrid model's state split unlike the decode group's (issue 63: a linear attention
+    from a pipeline group to a tensor one): the prefill group says so before prefilling; the
+    decode group prefills that prompt, and every later one, itself."""
+    from cluster.core.protocol import Handed
+
+    f, services, metrics, sent = split_fleet()
+    req, copy = handed_off(f, sent)
+    why = "rank 0: layer 0 keeps a state that is not split by KV heads"
+    services[0].on_event(0, Handed(copy, req.request.handoff.ticket, 0, 0, 0.0, why, True))
+    wait_for(lambda: len(sent[1]) == 2, timeout=10)
+    assert json.loads(sent[1][1]) == {"op": "handoff_failed", "ticket": req.request.handoff.ticket}
+    log = services[0].stderr.getvalue()
+    assert "group 0 cannot hand prompts to group 1" in log and why in log
+    later = request(False, messages=[{"role": "user", "content": "y" * 4000}])
+    f.submit(later)
+    assert later.group == 1 and later.request.handoff is None  # prefilled where it decodes
+    wait_for(lambda: len(sent[1]) == 3, timeout=10)
+    assert len(sent[0]) == 1
+
+
 @pytest.mark.parametrize("end", ["forgot", "answered", "refused", "ranks failed"])
 def test_a_handoff_the_decode_group_no_longer_wants_is_cancelled_at_the_prefill_group(end):
     """Whenever the client's request stops waiting for its KV (the decode group forgot the

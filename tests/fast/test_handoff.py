@@ -13,8 +13,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from cluster.core.handoff import Layout, group_layouts, plan_pieces, tokens_digest
-from node.rank.handoff import Door, Sender, fill_cache, layer_arrays
+from cluster.core.handoff import Layout, group_layouts, plan_pieces, tokens_digest, travels_as
+from node.cache.handoff import Door, Sender, check_frame, fill_cache, layer_arrays, layer_states
 from tests.support.kv import SMALL, TOKENS, next_logits, prefilled, small_llama
 
 KEY = b"k" * 32
@@ -149,8 +149,8 @@ def test_a_stranger_without_the_key_is_not_read(full):
 def test_a_sender_gone_quiet_mid_frame_fails_its_ticket_and_frees_the_link(monkeypatch):
     """A prefill host that stops sending (frozen, its link dead without a reset) holds its
     door connection no longer than QUIET_S: the ticket is failed, the reading thread ends."""
-    import node.rank.handoff as handoff
-    from node.rank.handoff import connect, send_frame
+    import node.cache.handoff as handoff
+    from node.cache.handoff import connect, send_frame
 
     monkeypatch.setattr(handoff, "QUIET_S", 0.3)
     (layout,) = group_layouts(CONFIG, "pipeline", 1)
@@ -257,8 +257,8 @@ def test_a_handoff_not_made_in_time_is_prefilled_here(monkeypatch):
 def test_a_long_handoff_still_sending_is_waited_for(monkeypatch):
     """The wait runs from the handoff's last frame, not from the request: a 100k-token
     prompt prefills for minutes, its frames coming all along."""
+    import node.cache.handoff as handoff
     import node.jobs.serve as ns
-    import node.rank.handoff as handoff
 
     class Door:
         last: float | None = None
@@ -301,14 +301,14 @@ def test_a_prefill_group_prefills_all_but_the_last_token_and_says_so():
 
 @pytest.mark.parametrize("leaves", [False, True], ids=["stays", "leaves"])
 def test_a_prefill_whose_client_leaves_stops_at_the_chunks_end(model, leaves):
-    """The prefill group's loop (node.rank.handoff.prefill_and_send, one rank): a client that
+    """The prefill group's loop (node.cache.handoff.prefill_and_send, one rank): a client that
     stays gets every chunk and the end frame; one that leaves during the first chunk stops
     the prefill there, no end frame goes, and the decode rank never takes what came."""
     from types import SimpleNamespace
 
     from cluster.core.protocol import CANCELLED
     from cluster.core.spec import Handoff, HandoffTicket
-    from node.rank.handoff import prefill_and_send
+    from node.cache.handoff import prefill_and_send
 
     (layout,) = group_layouts(CONFIG, "pipeline", 1)
     door = Door(layout, KEY)
@@ -318,7 +318,7 @@ def test_a_prefill_whose_client_leaves_stops_at_the_chunks_end(model, leaves):
     spec = SimpleNamespace(mode="pipeline", world_size=1, split=None, split_weights=None,
                            handoff=Handoff(role="prefill", key=KEY.hex()))  # fmt: skip
     chunks = []
-    sent, _, error = prefill_and_send(order, loaded, spec, None, CHUNK,
+    sent, _, error, _ = prefill_and_send(order, loaded, spec, None, CHUNK,
                                       lambda: chunks.append(1), lambda: leaves)  # fmt: skip
     n = len(TOKENS) - 1
     if leaves:
@@ -372,3 +372,129 @@ def test_rank0_refuses_a_duplicate_ticket_and_a_prefill_copy_and_says_what_it_fo
     order = s.order(live=1)
     assert order.forget == ["t1"] and order.insert == [first.shared]
     assert events[2:] == [Forgot("a", "t1", "a rank's door refused what came")]
+
+
+# This year's cache kinds (issue 63): what each family keeps besides plain KV
+HYBRIDS = {"qwen3_5": "ArraysCache (linear attention)", "gpt_oss": "RotatingKVCache (windows)",
+           "longcat_flash": "CacheList",
+           "gemma4_text": "RotatingKVCache, KV-sharing layers without a cache"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    """family -> (its config, the loaded model, its prompt's cache prefilled by one rank)."""
+    from mlx_lm import load
+
+    from tests.support.tiny import make_model
+
+    out = {}
+    for family in HYBRIDS:
+        path = make_model(tmp_path_factory.mktemp(family) / "m", family, seed=1)
+        m, _ = load(str(path))
+        out[family] = (json.loads((path / "config.json").read_text()), m,
+                       prefilled(m, TOKENS[:-1])[0])  # fmt: skip
+    return out
+
+
+def kinds_of(m) -> dict[int, str]:
+    from node.cache.handoff import cache_kinds
+
+    cache = make_prompt_cache(m)
+    return cache_kinds(cache, {i: i for i in range(len(cache))})
+
+
+def hand_off_cache(cache, kinds, senders: list[Layout], receivers: list[Layout]) -> list[Door]:
+    """``cache`` (one rank's, whole) handed from ranks laid out as ``senders`` (each holding
+    its layers whole) to doors laid out as ``receivers``, as prefill_and_send sends it: KV
+    a chunk at a time, the other layers' states at the end."""
+    travel = {layer: travels_as(kind) for layer, kind in kinds.items()}
+    doors = [Door(r, KEY, travel=travel) for r in receivers]
+    pieces = plan_pieces(senders, receivers, kinds)
+    n = len(TOKENS) - 1
+    for s, have in enumerate(senders):
+        link = Sender(s, pieces, [("127.0.0.1", d.port) for d in doors], KEY)
+        kv = [i for i in have.layers if travel[i] == "kv"]
+        for start in range(0, n, CHUNK):
+            end = min(n, start + CHUNK)
+            span = {i: (cache[i].keys[:, :, start:end], cache[i].values[:, :, start:end])
+                    for i in kv}  # fmt: skip
+            link.chunk("t1", start, end, span)
+        link.states("t1", {i: cache[i].state for i in have.layers if i not in kv})
+        link.end("t1", TOKENS[:-1])
+        assert link.finish() is None
+    return doors
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_a_hybrid_models_state_comes_whole_and_the_cache_continues_the_prompt_exactly(
+    hybrids, family
+):
+    config, m, cache = hybrids[family]
+    kinds = kinds_of(m)
+    assert {travels_as(k) for k in kinds.values()} != {"kv"}, kinds  # not plain KV alone
+    want = next_logits(m, prefilled(m, TOKENS[:-1])[0], TOKENS[-1:])
+    for senders in (group_layouts(config, "pipeline", 2), group_layouts(config, "pipeline", 1)):
+        (layout,) = group_layouts(config, "pipeline", 1)
+        (door,) = hand_off_cache(cache, kinds, senders, [layout])
+        assert wait_complete(door)
+        got = door.take("t1")
+        fresh = make_prompt_cache(m)
+        slots = {i: i for i in layout.layers}
+        filled = fill_cache(fresh, slots, layer_arrays(got, layout), layer_states(got, layout))
+        assert [type(c) for c in filled] == [type(c) for c in cache]
+        assert mx.array_equal(next_logits(m, filled, TOKENS[-1:]), want).item()
+        door.close()
+
+
+def test_a_window_is_recut_by_heads_and_a_linear_attentions_state_only_goes_alike(hybrids):
+    config, m, cache = hybrids["gpt_oss"]
+    kinds = kinds_of(m)
+    receivers = group_layouts(config, "tensor", 2)
+    doors = hand_off_cache(cache, kinds, group_layouts(config, "pipeline", 2), receivers)
+    for door, layout in zip(doors, receivers, strict=True):
+        assert wait_complete(door)
+        states = layer_states(door.take("t1"), layout)
+        windows = [i for i, k in kinds.items() if k == "RotatingKVCache"]
+        assert sorted(states) == windows
+        idx = mx.array(layout.heads)
+        for i in windows:
+            keys, values, *numbers = states[i]
+            assert mx.array_equal(keys, cache[i].keys[:, idx]).item()
+            assert mx.array_equal(values, cache[i].values[:, idx]).item()
+            assert numbers == list(cache[i].state[2:])
+        door.close()
+    config, m, _ = hybrids["qwen3_5"]
+    with pytest.raises(ValueError, match="only between ranks that hold it alike"):
+        plan_pieces(group_layouts(config, "pipeline", 2), group_layouts(config, "tensor", 2),
+                    kinds_of(m))  # fmt: skip
+    same = group_layouts(config, "tensor", 2)  # tensor to tensor of one plan: rank to rank
+    pieces = plan_pieces(same, same, kinds_of(m))
+    assert {(p.sender, p.receiver) for p in pieces if p.whole} == {(0, 0), (1, 1)}
+
+
+def test_a_state_frame_is_checked_before_its_bytes_are_read():
+    layout = Layout((0, 1), (0, 1))
+    travel = {0: "state", 1: "window"}
+    frame = {"ticket": "t", "sender": 0, "layer": 0, "state": [{"array": "s.0"}],
+             "arrays": [["s.0", "float32", [1, 4, 8]]], "nbytes": 128}  # fmt: skip
+    assert check_frame(frame, layout, None, travel) == 128
+    for change, why in [({"nbytes": 64}, "nbytes"), ({"arrays": []}, "arrays"),
+                        ({"arrays": [["s.0", "int64", [1]]]}, "state array"),
+                        ({"arrays": [["s.0", "float32", [1 << 30]]]}, "state array"),
+                        ({"place": [0]}, "place"), ({"layer": 7}, "layer")]:  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            check_frame({**frame, **change}, layout, None, travel)
+    with pytest.raises(ValueError, match="travels as"):  # KV where a state is kept, and back
+        check_frame({k: v for k, v in frame.items() if k != "state"}, layout, None, travel)
+    with pytest.raises(ValueError, match="travels as"):
+        check_frame(frame, layout, None, {})
+    piece = {
+        **frame,
+        "layer": 1,
+        "place": [1],
+        "nbytes": 2 * 4 * 8 * 4,
+        "arrays": [["k", "float32", [1, 1, 8, 4]], ["v", "float32", [1, 1, 8, 4]]],
+    }
+    assert check_frame(piece, layout, None, travel) == 256
+    with pytest.raises(ValueError, match="head piece"):
+        check_frame({**piece, "place": [0, 1]}, layout, None, travel)

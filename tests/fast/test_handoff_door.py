@@ -18,9 +18,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import node.rank.handoff as handoff
+import node.cache.handoff as handoff
 from cluster.core.handoff import group_layouts, plan_pieces, tokens_digest
-from node.rank.handoff import CHALLENGE, Door, Sender, check_frame, connect, proof, send_frame
+from node.cache.handoff import CHALLENGE, Door, Sender, check_frame, connect, proof, send_frame
 from tests.support.serving import wait_for
 
 KEY = b"k" * 32
@@ -47,7 +47,7 @@ def send_prompt(door_port: int, ticket: str = "t1", host: str = "127.0.0.1") -> 
 DOOR_PROCESS = """
 import os, resource, sys, time
 from cluster.core.handoff import group_layouts
-from node.rank.handoff import Door
+from node.cache.handoff import Door
 (layout,) = group_layouts({config}, "pipeline", 1)
 door = Door(layout, b"k" * 32, log=lambda line: print(line, file=sys.stderr, flush=True))
 used = len(os.listdir("/proc/self/fd"))
@@ -327,7 +327,7 @@ def test_a_ranks_door_listens_on_the_hostfiles_address():
 def test_a_thread_that_cannot_start_pauses_the_door_and_it_goes_on(monkeypatch):
     """No thread to be had for a connection (the rank's threads run out): that connection is
     closed, the door says so and waits, and the next sender gets through."""
-    import node.rank.handoff as module
+    import node.cache.handoff as module
 
     said: list[str] = []
     real = threading.Thread

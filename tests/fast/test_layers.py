@@ -36,7 +36,7 @@ LAYERS = (  # lowest first: a module imports its own package and the layers belo
 NODE_LAYERS = (  # the rank's packages, lowest first (docs/architecture.md)
     ("node.rank",),  # the group, share_object, the watchdog, memory limits, links
     ("node.model",),  # this rank's share of the model
-    ("node.cache",),  # the prompt cache: snapshots, the disk tier
+    ("node.cache",),  # the prompt cache: snapshots, the disk tier, handoffs, rollback
     ("node.decode",),  # one answer: template, loop, sampling, grammar, text
     ("node.jobs",),  # what a command does on a rank
     ("node.__main__",),  # one rank's life: a job from the table

@@ -11,6 +11,11 @@ ticket complete (``Door.complete``) only when every sender it expects ended it, 
 agree and every layer's every head covers every token: a connection cut halfway, a sender
 that died, a count that differs leave the ticket incomplete, and it is never used
 (``Door.drop`` forgets it).
+
+A layer whose cache is not plain KV (issue 63: a sliding window, a linear attention's state,
+a CacheList) goes once the prompt is prefilled, in a state frame: the cache's ``state`` as
+JSON (its arrays named, node.cache.disk.pack_state: the disk tier's form) and the arrays' raw
+bytes; a sliding window's may come in head pieces (cluster.core.handoff.plan_pieces).
 """
 
 from __future__ import annotations
@@ -32,13 +37,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from cluster.core.handoff import Layout, Piece, tokens_digest
+from cluster.core.handoff import KV, WINDOW, Layout, Piece, tokens_digest, travels_as
 from cluster.core.spec import Expect
 
 HEADER = struct.Struct("!I")
 MOST_HEADER = 1 << 16  # bytes of one frame's JSON header
 MOST_TOKENS = 1 << 22  # tokens of one handed-off prompt
 MOST_HEAD_DIM = 1024
+MOST_STATE_ARRAYS = 64  # arrays of one layer's state frame
+MOST_STATE_DIM = 1 << 24  # the longest axis of one of them
 MOST_TICKET = 64  # characters of a ticket
 CHALLENGE = 32
 SENDER_PROOF, DOOR_PROOF = b"mlx-cluster handoff sender", b"mlx-cluster handoff door"
@@ -135,10 +142,13 @@ def _int(header: dict, name: str, low: int, high: int) -> int:
     return value
 
 
-def check_frame(header: dict, layout: Layout, head_dim: int | None) -> int:
+def check_frame(header: dict, layout: Layout, head_dim: int | None,
+                travel: dict[int, str] | None = None) -> int:  # fmt: skip
     """The payload's bytes a frame's header announces, once the header fits the receiving
     rank's layout: its layer, the heads' places, the tokens' span, the dtype, the shape and
-    the size agree (ValueError naming the field otherwise). Nothing is allocated before."""
+    the size agree (ValueError naming the field otherwise). Nothing is allocated before.
+    ``travel``: how each layer's cache travels (cluster.core.handoff.travels_as; KV where
+    absent): a state frame only for a layer that keeps one."""
     ticket = header.get("ticket")
     if not isinstance(ticket, str) or not 0 < len(ticket) <= MOST_TICKET:
         raise ValueError("a frame without a ticket")
@@ -156,6 +166,11 @@ def check_frame(header: dict, layout: Layout, head_dim: int | None) -> int:
         return nbytes
     if header.get("layer") not in layout.layers:
         raise ValueError(f"layer {header.get('layer')!r} is not one this rank holds")
+    kind = (travel or {}).get(header["layer"], KV)
+    if ("state" in header) != (kind != KV):
+        raise ValueError(f"layer {header['layer']}'s cache travels as {kind}, not as this frame")
+    if kind != KV:
+        return check_state_frame(header, layout, kind, nbytes)
     place = header.get("place")
     heads = len(layout.heads)
     if not isinstance(place, list) or not place or len(set(place)) != len(place) or not all(
@@ -181,6 +196,36 @@ def check_frame(header: dict, layout: Layout, head_dim: int | None) -> int:
     return nbytes
 
 
+def check_state_frame(header: dict, layout: Layout, kind: str, nbytes: int) -> int:
+    """A state frame's payload bytes (``check_frame``): its arrays' names, dtypes and shapes
+    bounded and adding up to ``nbytes``; a window's head piece names its heads' places and
+    holds keys and values of that many heads."""
+    arrays = header.get("arrays")
+    if not isinstance(arrays, list) or not 0 < len(arrays) <= MOST_STATE_ARRAYS:
+        raise ValueError("field 'arrays' is not a list of a state's arrays")
+    size = 0
+    for entry in arrays:
+        if (not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str)
+                or not 0 < len(entry[0]) <= 64 or entry[1] not in DTYPES
+                or not isinstance(entry[2], list) or len(entry[2]) > 6 or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MOST_STATE_DIM
+                    for d in entry[2])):  # fmt: skip
+            raise ValueError(f"a state array {str(entry)[:80]} is not [name, dtype, shape]")
+        size += np.dtype(DTYPES[entry[1]][1]).itemsize * int(np.prod(entry[2], dtype=np.int64))
+    if size != nbytes:
+        raise ValueError(f"field 'nbytes' is {nbytes}, not the {size} the state's arrays take")
+    place = header.get("place")
+    if place is not None:
+        heads = len(layout.heads)
+        if kind != WINDOW or not isinstance(place, list) or not place or len(set(place)) != len(
+                place) or not all(isinstance(p, int) and not isinstance(p, bool)
+                                  and 0 <= p < heads for p in place):  # fmt: skip
+            raise ValueError(f"field 'place' is not a list of this rank's {heads} head places")
+        if len(arrays) != 2 or any(len(a[2]) != 4 or a[2][1] != len(place) for a in arrays):
+            raise ValueError("a window's head piece is not keys and values of its heads")
+    return nbytes
+
+
 @dataclass
 class Received:
     """A ticket's frames on one decode rank, as they come."""
@@ -193,6 +238,10 @@ class Received:
     frames: dict[int, int] = field(default_factory=dict)  # sender -> frames that came
     chunks: list[tuple[int, tuple[int, ...], int, int, np.ndarray, np.ndarray]] = field(
         default_factory=list)  # (layer, places, start, end, keys, values)  # fmt: skip
+    # layer -> its state frames: (head places, None for the whole state; the state as JSON;
+    # its arrays by name, each as (host array, dtype name))
+    states: dict[int, list[tuple[tuple[int, ...] | None, Any, dict[str, tuple]]]] = field(
+        default_factory=dict)  # fmt: skip
     dtype: str | None = None  # the arrays' (``DTYPES``): every frame's alike
     nbytes: int = 0
     began: float = field(default_factory=time.monotonic)
@@ -214,8 +263,10 @@ class Door:
 
     def __init__(self, layout: Layout, key: bytes, host: str = "127.0.0.1", port: int = 0,
                  head_dim: int | None = None, most_bytes: int | None = None,
-                 log: Callable[[str], None] = lambda line: None):  # fmt: skip
+                 log: Callable[[str], None] = lambda line: None,
+                 travel: dict[int, str] | None = None):  # fmt: skip
         self.layout, self.key, self.head_dim = layout, key, head_dim
+        self.travel = travel or {}  # layer -> how its cache travels (KV where absent)
         self.most_bytes = most_bytes
         self.log = log
         self.sock = listen_on(host, port)
@@ -297,7 +348,7 @@ class Door:
                     header = read_header(conn)
                     named = header.get("ticket")
                     ticket = named if isinstance(named, str) and named else None
-                    nbytes = check_frame(header, self.layout, self.head_dim)
+                    nbytes = check_frame(header, self.layout, self.head_dim, self.travel)
                     ticket = header["ticket"]
                     if not self._room(ticket, header, nbytes):
                         skip(conn, nbytes)  # a ticket dropped here: its late frames go by
@@ -345,6 +396,20 @@ class Door:
                     got.digest = tokens_digest(tokens)
                 got.tokens, got.total = tokens, len(tokens)
                 return
+            if "state" in header:
+                got.frames[sender] = got.frames.get(sender, 0) + 1
+                arrays, at, view = {}, 0, memoryview(payload)
+                for array_name, dtype, shape in header["arrays"]:
+                    size = np.dtype(DTYPES[dtype][1]).itemsize * int(np.prod(shape, dtype=np.int64))
+                    arrays[array_name] = (from_bytes(view[at : at + size], dtype, shape), dtype)
+                    at += size
+                place = header.get("place")
+                got.states.setdefault(int(header["layer"]), []).append(
+                    (tuple(place) if place is not None else None, header["state"], arrays)
+                )
+                got.nbytes += len(payload)
+                self.held_bytes += len(payload)
+                return
             name, shape = header["dtype"], list(header["shape"])
             if got.dtype is not None and name != got.dtype:
                 self._fail(got, f"a frame of {name} in a handoff of {got.dtype}")
@@ -364,7 +429,7 @@ class Door:
         say why."""
         got.failed = got.failed or why
         self.held_bytes -= got.nbytes
-        got.chunks, got.nbytes = [], 0
+        got.chunks, got.states, got.nbytes = [], {}, 0
 
     def heard(self, ticket: str) -> float | None:
         """When this ticket's last frame came (time.monotonic), None before its first."""
@@ -392,7 +457,7 @@ class Door:
             if tokens is not None and got.digest != tokens:
                 self._fail(got, "the handed-off tokens are not the waiting request's prompt")
                 return False
-            return covered(got, self.layout)
+            return covered(got, self.layout, self.travel)
 
     def failed(self, ticket: str) -> str | None:
         with self.lock:
@@ -443,13 +508,21 @@ def skip(sock: socket.socket, n: int) -> None:
         n -= len(recv_exact(sock, min(n, 1 << 20)))
 
 
-def covered(got: Received, layout: Layout) -> bool:
-    """Every head place of every layer of ``layout`` has the tokens [0, total) without gaps."""
+def covered(got: Received, layout: Layout, travel: dict[int, str] | None = None) -> bool:
+    """Every head place of every KV layer of ``layout`` has the tokens [0, total) without
+    gaps; every other layer its whole state, or (a window) each head place once."""
     spans: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for layer, places, start, end, _, _ in got.chunks:
         for p in places:
             spans.setdefault((layer, p), []).append((start, end))
     for layer in layout.layers:
+        if (travel or {}).get(layer, KV) != KV:
+            frames = got.states.get(layer, [])
+            whole = [f for f in frames if f[0] is None]
+            came = sorted(p for f in frames if f[0] is not None for p in f[0])
+            if not (len(whole) == 1 == len(frames) or came == list(range(len(layout.heads)))):
+                return False
+            continue
         for p in range(len(layout.heads)):
             at = 0
             for start, end in sorted(spans.get((layer, p), [])):
@@ -468,6 +541,8 @@ def layer_arrays(got: Received, layout: Layout) -> dict[int, tuple[mx.array, mx.
     out = {}
     for layer in layout.layers:
         mine = [c for c in got.chunks if c[0] == layer]
+        if not mine:  # a layer whose state came whole (``layer_states``)
+            continue
         k0 = mine[0][4]
         keys = np.empty((k0.shape[0], len(layout.heads), got.total, k0.shape[3]), k0.dtype)
         values = np.empty((k0.shape[0], len(layout.heads), got.total, mine[0][5].shape[3]),
@@ -476,6 +551,37 @@ def layer_arrays(got: Received, layout: Layout) -> dict[int, tuple[mx.array, mx.
             keys[:, list(places), start:stop] = k
             values[:, list(places), start:stop] = v
         out[layer] = (to_mlx(keys, got.dtype or "float32"), to_mlx(values, got.dtype or "float32"))
+    return out
+
+
+def layer_states(got: Received, layout: Layout) -> dict[int, Any]:
+    """Each state layer's ``state`` (node.cache.disk.unpack_state's form), from a complete
+    ticket's state frames: a window's head pieces put in place on the head axis, their
+    numbers (offset, window, ...) the same in every piece (ValueError otherwise)."""
+    from node.cache.disk import unpack_state
+
+    out = {}
+    for layer, frames in got.states.items():
+        if frames[0][0] is None:
+            _, packed, arrays = frames[0]
+            out[layer] = unpack_state(packed, {n: to_mlx(a, d) for n, (a, d) in arrays.items()})
+            continue
+        packed = frames[0][1]
+        if any(f[1] != packed for f in frames):  # names and numbers: alike in every piece
+            raise ValueError(f"layer {layer}'s window came in pieces that disagree")
+        names = [n for n, _ in sorted(frames[0][2].items())]
+        whole = {}
+        for name in names:
+            first, dtype = frames[0][2][name]
+            shape = (first.shape[0], len(layout.heads), *first.shape[2:])
+            buffer = np.empty(shape, first.dtype)
+            for at, _, arrays in frames:
+                part, _ = arrays[name]
+                if part.shape[2:] != first.shape[2:]:
+                    raise ValueError(f"layer {layer}'s window came in pieces that disagree")
+                buffer[:, list(at or ())] = part
+            whole[name] = to_mlx(buffer, dtype)
+        out[layer] = unpack_state(packed, whole)
     return out
 
 
@@ -558,6 +664,25 @@ class Sender:
             mx.eval(k, v)
             self._put(("frame", p, ticket, start, end, k, v), k.nbytes + v.nbytes)
 
+    def states(self, ticket: str, states: dict[int, Any]) -> None:
+        """Queue this rank's pieces of the layers that keep a state (``states``: each such
+        layer it holds -> its cache's ``state``), once the prompt is prefilled: whole, or a
+        window's heads (its keys and values sliced, its numbers as they are)."""
+        from node.cache.disk import pack_state
+
+        for p in self.pieces:
+            if p.layer not in states:
+                continue
+            arrays: dict[str, mx.array] = {}
+            value = states[p.layer]
+            if not p.whole:
+                keys, values, *numbers = value
+                idx = mx.array(p.send)
+                value = (keys[:, idx], values[:, idx], *numbers)
+            packed = pack_state(value, "s", arrays)
+            mx.eval(list(arrays.values()))
+            self._put(("state", p, ticket, packed, arrays), sum(a.nbytes for a in arrays.values()))
+
     def end(self, ticket: str, tokens: list[int]) -> None:
         self._put(("end", ticket, tokens), 0)
 
@@ -598,6 +723,21 @@ class Sender:
                           "nbytes": len(data)}  # fmt: skip
                 self.sent_bytes += send_frame(self._connect(r), header, (data,))
             return
+        if item[0] == "state":
+            _, p, ticket, packed, arrays = item
+            entries, parts = [], []
+            for array_name, a in arrays.items():
+                dtype, data = to_bytes(a)
+                entries.append([array_name, dtype, list(a.shape)])
+                parts.append(data)
+            header = {"ticket": ticket, "sender": self.rank,
+                      "senders": self.senders_of[p.receiver], "layer": p.layer, "state": packed,
+                      "arrays": entries, "nbytes": sum(len(d) for d in parts)}  # fmt: skip
+            if not p.whole:
+                header["place"] = list(p.place)
+            self.sent_bytes += send_frame(self._connect(p.receiver), header, parts)
+            self.counts[p.receiver] = self.counts.get(p.receiver, 0) + 1
+            return
         _, p, ticket, start, end, k, v = item
         name, kb = to_bytes(k)
         _, vb = to_bytes(v)
@@ -608,12 +748,17 @@ class Sender:
         self.counts[p.receiver] = self.counts.get(p.receiver, 0) + 1
 
 
-def fill_cache(cache: list, slots: dict[int, int], arrays: dict[int, Any]) -> list:
-    """``cache`` (the model's fresh cache list) holding the handed-off keys and values:
-    ``slots`` maps each layer to its place in the list."""
+def fill_cache(cache: list, slots: dict[int, int], arrays: dict[int, Any],
+               states: dict[int, Any] | None = None) -> list:  # fmt: skip
+    """``cache`` (the model's fresh cache list) holding the handed-off keys and values, and
+    the other layers' states (``layer_states``): ``slots`` maps each layer to its place in
+    the list."""
     for layer, (k, v) in arrays.items():
         cache[slots[layer]].update_and_fetch(k, v)  # laid out as a prefill lays it out
+    for layer, state in (states or {}).items():
+        cache[slots[layer]].state = state
     mx.eval([(cache[slots[layer]].keys, cache[slots[layer]].values) for layer in arrays])
+    mx.eval([cache[slots[layer]].state for layer in states or {}])
     return cache
 
 
@@ -632,18 +777,35 @@ def rank_layouts(loaded, mode: str, world: int, split, weights) -> list[Layout]:
 def cache_slots(cache: list, layout: Layout) -> dict[int, int]:
     """Each of ``layout``'s layers -> its place in the model's cache list (a pipeline stage's
     list covers every layer, its others' as SkippedCache; a family's own pipeline() keeps
-    its own layers only); ValueError when a layer's cache is not a plain KVCache."""
-    from mlx_lm.models.cache import KVCache
+    its own layers only); ValueError when a layer's cache cannot travel: a quantized one, or
+    one that cannot be set from its state."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     if len(cache) == len(layout.layers):
         slots = {layer: i for i, layer in enumerate(layout.layers)}
     else:
         slots = {layer: layer for layer in layout.layers}
     for layer, i in slots.items():
-        if type(cache[i]) is not KVCache:
-            raise ValueError(f"layer {layer}'s cache is a {type(cache[i]).__name__}, not a plain "
-                             "KV cache: its KV cannot be handed between groups")  # fmt: skip
+        kind = type(cache[i])
+        settable = getattr(getattr(kind, "state", None), "fset", None) is not None
+        if kind is not KVCache and (issubclass(kind, QuantizedKVCache) or not settable):
+            raise ValueError(f"layer {layer}'s cache is a {kind.__name__}: it cannot be handed "
+                             "between groups (serve without prefill groups)")  # fmt: skip
     return slots
+
+
+def cache_kinds(cache: list, slots: dict[int, int]) -> dict[int, str]:
+    """Each layer's cache class (its name) that this rank's fresh cache list names: its own
+    layers', and a pipeline stage's skipped slots' (the kind each stands for), so every rank
+    of a group plans a handoff alike (cluster.core.handoff.plan_pieces)."""
+    from node.model.stage import SkippedCache
+
+    full = {layer: layer for layer in range(len(cache))} if len(cache) > len(slots) else {}
+    kinds = {}
+    for layer, i in {**full, **slots}.items():
+        c = cache[i]
+        kinds[layer] = (c.kind or "KVCache") if isinstance(c, SkippedCache) else type(c).__name__
+    return kinds
 
 
 def open_door(loaded, spec, rank: int, log: Callable[[str], None] = lambda line: None) -> int:
@@ -656,14 +818,16 @@ def open_door(loaded, spec, rank: int, log: Callable[[str], None] = lambda line:
 
     global DOOR
     layout = rank_layouts(loaded, spec.mode, spec.world_size, spec.split, spec.split_weights)[rank]
-    cache_slots(make_prompt_cache(loaded.model), layout)  # a cache that can take KV, or why not
+    fresh = make_prompt_cache(loaded.model)
+    slots = cache_slots(fresh, layout)  # a cache that can take KV, or why not
+    travel = {layer: travels_as(kind) for layer, kind in cache_kinds(fresh, slots).items()}
     text = text_config(loaded.config)
     heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
     head_dim = text.get("head_dim") or (hidden // heads if heads and hidden else None)
     most = int(memory_left(spec.ranks_on_host) * DOOR_SHARE)
     DOOR = Door(layout, bytes.fromhex(spec.handoff.key), spec.handoff.host,
                 head_dim=head_dim if isinstance(head_dim, int) else None, most_bytes=most,
-                log=log)  # fmt: skip
+                log=log, travel=travel)  # fmt: skip
     return DOOR.port
 
 
@@ -734,7 +898,8 @@ def adopted_cache(ticket: str, model) -> tuple[Received, list]:
     got = DOOR.take(ticket)
     PENDING.pop(ticket, None)
     cache = make_prompt_cache(model)
-    fill_cache(cache, cache_slots(cache, DOOR.layout), layer_arrays(got, DOOR.layout))
+    fill_cache(cache, cache_slots(cache, DOOR.layout), layer_arrays(got, DOOR.layout),
+               layer_states(got, DOOR.layout))  # fmt: skip
     return got, cache
 
 
@@ -752,53 +917,101 @@ def handoff_figures(got: Received, group) -> dict:
             "handoff_ms": round((time.monotonic() - got.began) * 1000, 1)}  # fmt: skip
 
 
+def check_windows(states: dict[int, Any], kinds: dict[int, str], heads: int,
+                  pieces: list[Piece], rank: int) -> None:  # fmt: skip
+    """ValueError when a window this rank sends by heads does not hold the model's count of
+    KV heads (MiMo's sliding layers have their own: re-cut by the layout's, they would go
+    to the wrong places)."""
+    for p in pieces:
+        if p.sender == rank and not p.whole and travels_as(kinds[p.layer]) == WINDOW:
+            held = states[p.layer][0].shape[1]
+            if held != heads:
+                raise ValueError(
+                    f"layer {p.layer}'s sliding window keeps {held} KV heads, not the model's "
+                    f"{heads}: it can be handed only between groups of the same mode and size"
+                )
+
+
+def prefill_chunks(order, loaded, group, step: int, tick, cancelled: Callable[[], bool],
+                   sender: Sender, cache: list, slots: dict[int, int],
+                   kv: dict[int, int]) -> str | None:  # fmt: skip
+    """``order.tokens`` prefilled into ``cache`` a chunk at a time, each chunk's KV (the
+    layers in ``kv``) queued to ``sender``; CANCELLED when rank 0's client left."""
+    from cluster.core.protocol import CANCELLED
+    from node.rank.dist import rank0_stopped
+
+    tokens = order.tokens
+    for start in range(0, len(tokens), step):
+        end = min(len(tokens), start + step)
+        loaded.model(mx.array(tokens[start:end])[None], cache=cache)
+        mx.eval([cache[i].state for i in slots.values()])
+        sender.chunk(order.handoff.ticket, start, end, {
+            layer: (cache[i].keys[:, :, start:end], cache[i].values[:, :, start:end])
+            for layer, i in kv.items()})  # fmt: skip
+        tick()
+        if end < len(tokens) and (
+            rank0_stopped(cancelled(), group, mx.default_stream(mx.default_device()))
+            if group is not None and group.size() > 1
+            else cancelled()
+        ):
+            return CANCELLED
+    return None
+
+
 def prefill_and_send(
     order, loaded, spec, group, step: int, tick, cancelled: Callable[[], bool] = lambda: False
-) -> tuple[int, float, str | None]:
+) -> tuple[int, float, str | None, bool]:
     """A prefill group's every rank: prefill ``order.tokens`` a chunk of ``step`` at a time,
     each chunk's KV to the decode ranks as it is done; (bytes this group sent, seconds,
-    the first rank's error or None), the same on every rank. After each chunk every rank
+    the first rank's error or None, whether the error is the plan's: every prompt would
+    meet it), the same on every rank. After each chunk every rank
     learns whether rank 0's ``cancelled()`` (its client left): then they stop there, send no
     end frame (the decode ranks never take what came) and say CANCELLED."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    from cluster.core.handoff import plan_pieces
     from cluster.core.protocol import CANCELLED
-    from node.rank.dist import control_stream, rank0_stopped
+    from node.rank.dist import control_stream
     from node.rank.numbers import host_floats
 
     h = order.handoff
     began = time.perf_counter()
     mine = rank_layouts(loaded, spec.mode, spec.world_size, spec.split, spec.split_weights)
     rank = group.rank() if group is not None else 0
-    error = None
+    error: str | None = None
     sender = None
-    try:
+    pieces: list[Piece] = []
+    cache: list = []
+    slots: dict[int, int] = {}
+    kinds: dict[int, str] = {}
+    kv: dict[int, int] = {}
+    try:  # the plan first, agreed before any rank prefills (a stage waits for its peers)
         theirs = rank_layouts(loaded, h.mode, h.world, h.split, h.weights)
-        from cluster.core.handoff import plan_pieces
-
-        pieces = plan_pieces(mine, theirs)
-        sender = Sender(rank, pieces, [(str(d[0]), int(d[1])) for d in h.doors],
-                        bytes.fromhex(spec.handoff.key))  # fmt: skip
         cache = make_prompt_cache(loaded.model)
         slots = cache_slots(cache, mine[rank])
-        tokens = order.tokens
-        for start in range(0, len(tokens), step):
-            end = min(len(tokens), start + step)
-            loaded.model(mx.array(tokens[start:end])[None], cache=cache)
-            mx.eval([(cache[i].keys, cache[i].values) for i in slots.values()])
-            sender.chunk(h.ticket, start, end, {
-                layer: (cache[i].keys[:, :, start:end], cache[i].values[:, :, start:end])
-                for layer, i in slots.items()})  # fmt: skip
-            tick()
-            if end < len(tokens) and (
-                rank0_stopped(cancelled(), group, mx.default_stream(mx.default_device()))
-                if group is not None and group.size() > 1
-                else cancelled()
-            ):
-                error = CANCELLED
-                break
-        else:
-            sender.end(h.ticket, tokens)
+        kinds = cache_kinds(cache, slots)
+        pieces = plan_pieces(mine, theirs, kinds)
+        kv = {layer: i for layer, i in slots.items() if travels_as(kinds[layer]) == KV}
+    except ValueError as e:
+        error = f"rank {rank}: {e}"
+    if group is not None and group.size() > 1:
+        flags = mx.distributed.all_sum(mx.array([1.0 if error else 0.0]), group=group,
+                                       stream=control_stream())  # fmt: skip
+        if host_floats(flags)[0] and error is None:
+            error = "another rank of the prefill group cannot hand this model's cache off"
+    if error is not None:  # the plan, not this prompt: the same for every prompt
+        return 0, time.perf_counter() - began, error, True
+    try:
+        if error is None:
+            sender = Sender(rank, pieces, [(str(d[0]), int(d[1])) for d in h.doors],
+                            bytes.fromhex(spec.handoff.key))  # fmt: skip
+            error = prefill_chunks(order, loaded, group, step, tick, cancelled, sender,
+                                   cache, slots, kv)  # fmt: skip
+            if error is None:
+                states = {layer: cache[i].state for layer, i in slots.items() if layer not in kv}
+                check_windows(states, kinds, len(mine[rank].heads), pieces, rank)
+                sender.states(h.ticket, states)
+                sender.end(h.ticket, order.tokens)
     except (OSError, ValueError, RuntimeError) as e:
         error = f"rank {rank}: {e}"
     if sender is not None:
@@ -810,4 +1023,4 @@ def prefill_and_send(
         figures = host_floats(total)
         if figures[1] and error is None:
             error = "another rank of the prefill group could not hand its KV off"
-    return int(figures[0]), time.perf_counter() - began, error
+    return int(figures[0]), time.perf_counter() - began, error, False
