@@ -36,7 +36,7 @@ class Layout:
     its cache) and, of each, the KV heads (global indices, in the order of its cache's head
     axis)."""
 
-    layers: tuple[int, ...]
+    layers: tuple[int, ...]  # places in the model's cache list (a layer's index where each has one)
     heads: tuple[int, ...]
     # how this rank holds each of its layers: () whole (pipeline, one rank); a tensor rank's
     # (rank, ranks, weights...): ranks with the same part hold a layer's state alike
@@ -80,7 +80,8 @@ def group_layouts(config: dict[str, Any], mode: str, world: int,
     if not isinstance(n_kv, int):
         raise ValueError("config.json gives no num_attention_heads")
     cached = n - kv_shared_layers(config)  # Gemma 4's last layers reuse earlier ones' KV
-    every_layer, every_head = tuple(range(cached)), tuple(range(n_kv))
+    slots = cache_places(config, n)
+    every_layer, every_head = tuple(s for s in slots[:cached] if s is not None), tuple(range(n_kv))
     if world == 1:
         return [Layout(every_layer, every_head)]
     if mode == "tensor":
@@ -88,8 +89,22 @@ def group_layouts(config: dict[str, Any], mode: str, world: int,
         shares = tuple(split or weights or ())
         return [Layout(every_layer, tuple(kv), (r, world, *shares)) for r, kv in enumerate(plan.kv)]
     chosen = choose_split(config, world, split, weights)
-    return [Layout(tuple(range(min(cached, a), min(cached, b))), every_head)
+    return [Layout(tuple(s for s in slots[min(cached, a) : min(cached, b)] if s is not None),
+                   every_head)
             for a, b in (pipeline_range(n, world, r, chosen) for r in range(world))]  # fmt: skip
+
+
+def cache_places(config: dict[str, Any], n: int) -> list[int | None]:
+    """Each layer's place in the model's cache list: its own index, or (nemotron_h, whose
+    MLP and MoE blocks keep none) the count of Mamba and attention blocks before it, None
+    for a block without a cache (node.model.stage.cache_slots_of, as the ranks see it)."""
+    pattern = text_config(config).get("hybrid_override_pattern")
+    if not isinstance(pattern, (list, str)) or len(pattern) != n:
+        return list(range(n))
+    places: list[int | None] = []
+    for block in pattern:
+        places.append(sum(p is not None for p in places) if block in ("M", "*") else None)
+    return places
 
 
 def plan_pieces(senders: list[Layout], receivers: list[Layout],

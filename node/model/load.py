@@ -38,7 +38,7 @@ from cluster.core.shards import (
     weight_files_for_layers,
 )
 from cluster.core.tensorplan import TensorPlan, check_mode
-from node.model.stage import apply_stages
+from node.model.stage import apply_stages, inner_model
 from node.model.tensor import layer_problem, shard_tensor
 from node.model.vlm import load_vlm
 
@@ -261,11 +261,11 @@ def load_shard(
         shard_for_tensor(model.language_model if vlm else model, plan, weights, group)
     elif size > 1:
         text_model = model.language_model if vlm else model
-        inner = getattr(text_model, "model", None)
-        if inner is None or not isinstance(getattr(inner, "layers", None), list):
+        inner = inner_model(text_model)
+        if inner is None:
             raise ModelError(
-                f"model family {config['model_type']!r} has no model.model.layers list; "
-                "pipeline mode cannot split it (try --mode tensor)"
+                f"model family {config['model_type']!r} has no list of layers under model or "
+                "backbone; pipeline mode cannot split it (try --mode tensor)"
             )
         if hasattr(inner, "pipeline"):
             inner.pipeline(group) if split is None else inner.pipeline(group, split=split)

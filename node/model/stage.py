@@ -20,9 +20,34 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, _BaseCache
 
+from cluster.core.modelcheck import ModelError
 from cluster.core.shards import pipeline_range
 
 _collective_stream: list[Any] = [None]  # where the stages' collectives run (None: inline)
+_call_cache: list[Any] = [None]  # the cache list of the model call under way (a send's tie)
+
+
+def inner_model(model: Any) -> nn.Module | None:
+    """The module that holds a language model's ``layers`` list: ``model.model``, or
+    ``model.backbone`` (nemotron_h)."""
+    for name in ("model", "backbone"):
+        inner = getattr(model, name, None)
+        if inner is not None and isinstance(getattr(inner, "layers", None), list):
+            return inner
+    return None
+
+
+def cache_slots_of(layers: list, caches: int) -> list[int | None]:
+    """Each layer's place in the family's cache list (None: it keeps no cache): one per layer,
+    the first ``caches`` layers' (Gemma 4's KV-sharing tail has none), or one per block that
+    mixes tokens (nemotron_h: its Mamba and attention blocks; its MLP blocks have none)."""
+    if any(hasattr(layer, "block_type") for layer in layers):
+        slots: list[int | None] = []
+        for layer in layers:
+            keeps = getattr(layer, "block_type", None) in ("M", "*")
+            slots.append(sum(s is not None for s in slots) if keeps else None)
+        return slots
+    return [i if i < caches else None for i in range(len(layers))]
 
 
 @contextmanager
@@ -42,7 +67,7 @@ def collectives_on(stream) -> Iterator[None]:
 def staged(model: nn.Module) -> bool:
     """Whether this model's pipeline runs through StageLayer (whose collectives
     ``collectives_on`` can move), rather than a family's own ``pipeline()``."""
-    inner = getattr(getattr(model, "language_model", model), "model", None)
+    inner = inner_model(getattr(model, "language_model", model))
     return any(isinstance(layer, StageLayer) for layer in getattr(inner, "layers", None) or ())
 
 
@@ -99,7 +124,7 @@ class StageLayer(nn.Module):
         h, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
         if self.send_to is not None:
             h = mx.distributed.send(h, self.send_to, group=self.group, **on)
-            cache = _find_cache(args, kwargs)
+            cache = _find_cache(args, kwargs) or _held_cache(_call_cache[0])
             if cache is not None:
                 _depend(cache, h)
         if self.share:
@@ -113,6 +138,13 @@ def _find_cache(args, kwargs):
         # duck-typed: mlx-vlm's caches are not mlx-lm's classes
         cache = next((a for a in args if hasattr(a, "update_and_fetch")), None)
     return cache
+
+
+def _held_cache(cache: list | None):
+    """The last cache of the call's list that this stage keeps: the send's tie when the
+    stage's last layer keeps none (nemotron_h's MLP blocks)."""
+    held = [c for c in cache or () if not isinstance(c, SkippedCache)]
+    return held[-1] if held else None
 
 
 def _depend(cache, h: mx.array) -> None:
@@ -144,9 +176,12 @@ class SkippedCache(_BaseCache):
     the twin in the list the model is called with."""
 
     def __init__(self, twin: Any, twin_index: int, stands_for: bool | None = None,
-                 kind: str = ""):  # fmt: skip
+                 kind: str = "", alike: bool = True):  # fmt: skip
         self.twin = twin
         self.twin_index = twin_index
+        # whether the twin is of the slot's own kind: a stage that keeps none of that kind
+        # (nemotron_h's Mamba blocks only) runs no layer that reads the slot's mask
+        self.alike = alike
         # whether the slot's own cache could always be cut back (node.cache.snapshots asks
         # every rank alike, whichever layers it holds), and its class's name (a handoff's
         # plan: node.cache.handoff.cache_kinds)
@@ -158,7 +193,7 @@ class SkippedCache(_BaseCache):
         return self.twin.offset
 
     def make_mask(self, *args, **kwargs):
-        return self.twin.make_mask(*args, **kwargs)
+        return self.twin.make_mask(*args, **kwargs) if self.alike else None
 
     def __getitem__(self, idx):  # a CacheList's part (longcat reads ``cache[0][0]``)
         return SkippedCache(self.twin[idx], -1)
@@ -190,10 +225,11 @@ class SkippedCache(_BaseCache):
     # what BatchGenerator does to each slot: a skipped slot has nothing to merge or cut
     @classmethod
     def merge(cls, caches):
-        return cls(None, caches[0].twin_index)
+        c = caches[0]
+        return cls(None, c.twin_index, c.stands_for, c.kind, c.alike)
 
     def extract(self, idx):
-        return SkippedCache(None, self.twin_index)
+        return SkippedCache(None, self.twin_index, self.stands_for, self.kind, self.alike)
 
     def prepare(self, **kwargs):
         pass
@@ -234,8 +270,13 @@ def _resolving_call(model: nn.Module) -> None:
     family = type(model)
 
     def __call__(self, *args, **kwargs):
-        resolve_twins(kwargs["cache"] if "cache" in kwargs else (args[1:2] or [None])[0])
-        return family.__call__(self, *args, **kwargs)
+        cache = kwargs["cache"] if "cache" in kwargs else (args[1:2] or [None])[0]
+        resolve_twins(cache)
+        _call_cache[0] = cache
+        try:
+            return family.__call__(self, *args, **kwargs)
+        finally:
+            _call_cache[0] = None
 
     model.__class__ = type(family.__name__, (family,), {"__call__": __call__})
 
@@ -249,7 +290,9 @@ def apply_stages(
     ``vlm_cache`` then makes the default caches mlx-vlm's, as its generation loop expects).
     Call after the weights are loaded: the wrappers change parameter paths.
     """
-    layers = model.model.layers
+    inner = inner_model(model)
+    assert inner is not None  # node.model.load asks first
+    layers = inner.layers
     n, rank, size = len(layers), group.rank(), group.size()
     start, end = pipeline_range(n, size, rank, split)
     for i in range(n):
@@ -270,11 +313,16 @@ def apply_stages(
 
     def make_cache():
         caches = family_cache() if family_cache else [default_cache() for _ in layers]
-        held = range(start, min(end, len(caches)))  # gemma4: no slots for KV-sharing layers
-        for i in [*range(min(start, len(caches))), *range(end, len(caches))]:
-            twin = next((j for j in held if type(caches[j]) is type(caches[i])), start)
+        slots = cache_slots_of(layers, len(caches))
+        held = [s for s in slots[start:end] if s is not None]
+        if not held:
+            raise ModelError(f"layers {start}-{end - 1} of this stage keep no cache: "
+                                      "split the layers otherwise (--split)")  # fmt: skip
+        for i in [i for i in range(len(caches)) if i not in held]:
+            twin = next((j for j in held if type(caches[j]) is type(caches[i])), held[0])
             caches[i] = SkippedCache(caches[twin], twin, always_trimmable(caches[i]),
-                                     type(caches[i]).__name__)  # fmt: skip
+                                     type(caches[i]).__name__,
+                                     type(caches[twin]) is type(caches[i]))  # fmt: skip
         return caches
 
     object.__setattr__(model, "make_cache", make_cache)

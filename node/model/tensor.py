@@ -28,6 +28,11 @@ ATTENTION = ("self_attn", "attention", "attn")
 LINEAR = ("linear_attn",)  # a gated delta net (Qwen3-Next's linear attention)
 LINEAR_PARTS = {"in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj"}
 MLP = ("mlp", "block_sparse_moe", "feed_forward")
+MIXER = "mixer"  # nemotron_h's one part per block: a Mamba-2 mixer, an attention, an MLP or MoE
+MAMBA_PARTS = {"in_proj", "conv1d", "norm", "out_proj"}
+MAMBA_COUNTS = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size",
+                "conv_dim")  # fmt: skip
+SWITCH_MLP = {"fc1", "fc2"}  # an ungated switch MLP's up and down (nemotron_h's experts)
 HEADS = ("n_heads", "num_heads", "num_attention_heads")
 KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
 GROUPS = ("repeats", "n_rep", "num_key_value_groups")  # query heads per KV head, where kept
@@ -185,8 +190,9 @@ def shard_dense(mlp: nn.Module, span: tuple[int, int]) -> nn.Module:
         inter = output_dims(mlp.gate_up_proj) // 2
         keep_rows(mlp.gate_up_proj, [*range(i0, i1), *range(inter + i0, inter + i1)])
     else:
-        for name in COLUMN:
-            keep_rows(getattr(mlp, name), list(range(i0, i1)))
+        for name in COLUMN:  # an ungated MLP (nemotron_h's) has only the up projection
+            if name in children(mlp):
+                keep_rows(getattr(mlp, name), list(range(i0, i1)))
     keep_inputs(mlp.down_proj, i0, i1)
     return mlp.down_proj
 
@@ -308,9 +314,100 @@ def shard_linear_attention(la: nn.Module, plan: TensorPlan, rank: int, group) ->
     la.conv_dim = len(channels)
 
 
+def mamba_problem(mixer: nn.Module) -> str | None:
+    parts = set(children(mixer))
+    if parts != MAMBA_PARTS or not all(isinstance(getattr(mixer, n, None), int)
+                                       for n in MAMBA_COUNTS):  # fmt: skip
+        return f"its Mamba mixer ({type(mixer).__name__}) has the parts {', '.join(sorted(parts))}"
+    return None
+
+
+def shard_mamba(mixer: nn.Module, plan: TensorPlan, rank: int, group) -> None:
+    """A Mamba-2 mixer (nemotron_h): each rank keeps a span of its groups and the heads that
+    read them, through every part that holds them (the input projection's gate, x, B, C and
+    step rows; the depthwise convolution's x, B and C channels; the per-head decay, skip and
+    step bias; the gated norm, per group; the output projection's inputs, summed over the
+    ranks). Each rank's cache then holds its own heads' convolution and SSM state."""
+    n_groups, n_heads, p, n = mixer.n_groups, mixer.num_heads, mixer.head_dim, mixer.ssm_state_size
+    try:
+        g0, g1 = spans(n_groups, plan.weights or [1.0] * len(plan.heads))[rank]
+    except ValueError:
+        raise ModelError(
+            f"tensor mode gives each rank a span of the Mamba mixer's {n_groups} groups: use at "
+            f"most {n_groups} ranks, or --mode pipeline"
+        ) from None
+    per = n_heads // n_groups
+    h0, h1 = g0 * per, g1 * per
+    inner, conv_dim = mixer.intermediate_size, mixer.conv_dim
+    x = list(range(h0 * p, h1 * p))
+    b = [inner + r for r in range(g0 * n, g1 * n)]
+    c = [inner + n_groups * n + r for r in range(g0 * n, g1 * n)]
+    channels = [*x, *b, *c]  # of the convolution's input: x, B, C
+    keep_rows(mixer.in_proj, [*x, *(inner + r for r in channels),
+                              *(inner + conv_dim + h for h in range(h0, h1))])  # fmt: skip
+    index = mx.array(channels)
+    mixer.conv1d.weight = mx.contiguous(mx.take(mixer.conv1d.weight, index, axis=0))
+    if "bias" in mixer.conv1d:
+        mixer.conv1d.bias = mx.contiguous(mx.take(mixer.conv1d.bias, index, axis=0))
+    mixer.conv1d.groups = len(channels)
+    for name in ("dt_bias", "A_log", "D"):
+        mixer[name] = mx.contiguous(mixer[name][h0:h1])
+    mixer.norm.weight = mx.contiguous(mixer.norm.weight[h0 * p : h1 * p])
+    keep_inputs(mixer.out_proj, h0 * p, h1 * p)
+    mixer.out_proj = RowParallel(mixer.out_proj, group)
+    mixer.num_heads, mixer.n_groups = h1 - h0, g1 - g0
+    mixer.intermediate_size, mixer.conv_dim = (h1 - h0) * p, len(channels)
+
+
+def mixer_problem(mixer: nn.Module) -> str | None:
+    """Why tensor mode cannot shard one nemotron_h block's mixer, or None."""
+    parts = set(children(mixer))
+    if "in_proj" in parts:
+        return mamba_problem(mixer)
+    if "o_proj" in parts:
+        return attention_problem(mixer)
+    if "switch_mlp" in parts:
+        switch = children(mixer)["switch_mlp"]
+        if set(children(switch)) != SWITCH_MLP or "bias" in switch.fc2:
+            return f"its experts ({type(switch).__name__}) are not an fc1/fc2 switch MLP"
+        if "fc2_latent_proj" in parts and "bias" in mixer.fc2_latent_proj:
+            return "its experts' latent projection has a bias (it would be summed per rank)"
+        shared = children(mixer).get("shared_experts")
+        if shared is not None and set(children(shared)) != {"up_proj", "down_proj"}:
+            return f"its shared experts have the parts {', '.join(sorted(children(shared)))}"
+        return None
+    if parts == {"up_proj", "down_proj"}:
+        return None
+    return f"its mixer ({type(mixer).__name__}) has the parts {', '.join(sorted(parts))}"
+
+
+def shard_mixer(block: nn.Module, plan: TensorPlan, rank: int, group) -> None:
+    """One nemotron_h block: its mixer split as what it is (mixer_problem said it can be)."""
+    mixer = block.mixer
+    parts = children(mixer)
+    if "in_proj" in parts:
+        shard_mamba(mixer, plan, rank, group)
+    elif "o_proj" in parts:
+        shard_attention(mixer, plan, rank, group)
+    elif "switch_mlp" in parts:  # experts (in the latent space where there is one), shared
+        switch = parts["switch_mlp"]
+        i0, i1 = plan.columns(output_dims(switch.fc1))[rank]
+        keep_rows(switch.fc1, list(range(i0, i1)))
+        keep_inputs(switch.fc2, i0, i1)
+        if "shared_experts" in parts:
+            shared = parts["shared_experts"]
+            shard_dense(shared, plan.columns(output_dims(shared.up_proj))[rank])
+        block.mixer = RankSum(mixer, group)  # latent projection and sum: linear, no bias
+    else:
+        shard_dense(mixer, plan.columns(output_dims(mixer.up_proj))[rank])
+        mixer.down_proj = RowParallel(mixer.down_proj, group)
+
+
 def layer_problem(layer: nn.Module) -> str | None:
     """Why tensor mode cannot shard this decoder layer by its parts, or None when it can."""
     parts = children(layer)
+    if set(parts) - {"norm"} == {MIXER}:  # nemotron_h: one mixer per block
+        return mixer_problem(parts[MIXER])
     linear = next((a for a in LINEAR if a in parts), None)
     attn = linear or next((a for a in ATTENTION if a in parts), None)
     mlp = next((m for m in MLP if m in parts), None)
@@ -330,6 +427,9 @@ def shard_tensor(layers: list[nn.Module], plan: TensorPlan, group) -> None:
     rank = group.rank()
     for layer in layers:
         parts = children(layer)
+        if set(parts) - {"norm"} == {MIXER}:
+            shard_mixer(layer, plan, rank, group)
+            continue
         mlp = next(m for m in MLP if m in parts)
         linear = next((a for a in LINEAR if a in parts), None)
         if linear is not None:

@@ -377,7 +377,8 @@ def test_rank0_refuses_a_duplicate_ticket_and_a_prefill_copy_and_says_what_it_fo
 # This year's cache kinds (issue 63): what each family keeps besides plain KV
 HYBRIDS = {"qwen3_5": "ArraysCache (linear attention)", "gpt_oss": "RotatingKVCache (windows)",
            "longcat_flash": "CacheList",
-           "gemma4_text": "RotatingKVCache, KV-sharing layers without a cache"}  # fmt: skip
+           "gemma4_text": "RotatingKVCache, KV-sharing layers without a cache",
+           "nemotron_h": "ArraysCache (Mamba), blocks without a cache"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -498,3 +499,14 @@ def test_a_state_frame_is_checked_before_its_bytes_are_read():
     assert check_frame(piece, layout, None, travel) == 256
     with pytest.raises(ValueError, match="head piece"):
         check_frame({**piece, "place": [0, 1]}, layout, None, travel)
+
+
+def test_a_layout_names_places_in_the_cache_list_not_layers():
+    """nemotron_h keeps a cache for its Mamba and attention blocks only: a layout's layers
+    are places in the cache list the ranks make (node.model.stage.cache_slots_of)."""
+    from tests.support.tiny import FAMILIES
+
+    config = FAMILIES["nemotron_h"]  # M - * M E M * -
+    assert group_layouts(config, "pipeline", 1)[0].layers == (0, 1, 2, 3, 4)
+    assert [r.layers for r in group_layouts(config, "pipeline", 2)] == [(3, 4), (0, 1, 2)]
+    assert all(r.layers == (0, 1, 2, 3, 4) for r in group_layouts(config, "tensor", 2))
