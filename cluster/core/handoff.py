@@ -79,6 +79,9 @@ def group_layouts(config: dict[str, Any], mode: str, world: int,
     n_kv = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
     if not isinstance(n_kv, int):
         raise ValueError("config.json gives no num_attention_heads")
+    latent = isinstance(cfg.get("kv_lora_rank"), int)  # MLA: one latent "head", on every rank
+    if latent:
+        n_kv = 1
     cached = n - kv_shared_layers(config)  # Gemma 4's last layers reuse earlier ones' KV
     slots = cache_places(config, n)
     every_layer, every_head = tuple(s for s in slots[:cached] if s is not None), tuple(range(n_kv))
@@ -87,7 +90,8 @@ def group_layouts(config: dict[str, Any], mode: str, world: int,
     if mode == "tensor":
         plan = plan_tensor(config, world, split or weights)
         shares = tuple(split or weights or ())
-        return [Layout(every_layer, tuple(kv), (r, world, *shares)) for r, kv in enumerate(plan.kv)]
+        kvs = [every_head] * world if latent else [tuple(kv) for kv in plan.kv]
+        return [Layout(every_layer, kv, (r, world, *shares)) for r, kv in enumerate(kvs)]
     chosen = choose_split(config, world, split, weights)
     return [Layout(tuple(s for s in slots[min(cached, a) : min(cached, b)] if s is not None),
                    every_head)

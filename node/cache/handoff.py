@@ -190,7 +190,10 @@ def check_frame(header: dict, layout: Layout, head_dim: int | None,
             or (head_dim is not None and shape[3] != head_dim)):  # fmt: skip
         raise ValueError(f"field 'shape' is {shape!r}, not [1, {len(place)}, {stop - start}, "
                          f"{head_dim or 'the head size'}]")  # fmt: skip
-    size = 2 * np.dtype(DTYPES[dtype][1]).itemsize * int(np.prod(shape))
+    v_dim = header.get("v_dim", shape[3])  # a latent attention's values (its rope keys) differ
+    if not isinstance(v_dim, int) or isinstance(v_dim, bool) or not 0 < v_dim <= MOST_HEAD_DIM:
+        raise ValueError(f"field 'v_dim' is {v_dim!r}, not a head size")
+    size = np.dtype(DTYPES[dtype][1]).itemsize * int(np.prod(shape[:3])) * (shape[3] + v_dim)
     if nbytes != size:
         raise ValueError(f"field 'nbytes' is {nbytes}, not the {size} its shape takes")
     return nbytes
@@ -416,9 +419,10 @@ class Door:
                 return
             got.dtype = name
             got.frames[sender] = got.frames.get(sender, 0) + 1
-            half, view = len(payload) // 2, memoryview(payload)
+            v_shape = [*shape[:3], int(header.get("v_dim", shape[3]))]
+            half, view = len(payload) * shape[3] // (shape[3] + v_shape[3]), memoryview(payload)
             keys = from_bytes(view[:half], name, shape)
-            values = from_bytes(view[half:], name, shape)
+            values = from_bytes(view[half:], name, v_shape)
             span = int(header["start"]), int(header["stop"])
             got.chunks.append((int(header["layer"]), tuple(header["place"]), *span, keys, values))
             got.nbytes += len(payload)
@@ -744,6 +748,8 @@ class Sender:
         header = {"ticket": ticket, "sender": self.rank, "senders": self.senders_of[p.receiver],
                   "layer": p.layer, "place": list(p.place), "start": start, "stop": end,
                   "dtype": name, "shape": list(k.shape), "nbytes": len(kb) + len(vb)}  # fmt: skip
+        if v.shape[3] != k.shape[3]:
+            header["v_dim"] = v.shape[3]
         self.sent_bytes += send_frame(self._connect(p.receiver), header, (kb, vb))
         self.counts[p.receiver] = self.counts.get(p.receiver, 0) + 1
 
@@ -823,7 +829,11 @@ def open_door(loaded, spec, rank: int, log: Callable[[str], None] = lambda line:
     travel = {layer: travels_as(kind) for layer, kind in cache_kinds(fresh, slots).items()}
     text = text_config(loaded.config)
     heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
-    head_dim = text.get("head_dim") or (hidden // heads if heads and hidden else None)
+    head_dim = (
+        text.get("kv_lora_rank")
+        or text.get("head_dim")
+        or (hidden // heads if heads and hidden else None)
+    )  # a latent attention's: its rank
     most = int(memory_left(spec.ranks_on_host) * DOOR_SHARE)
     DOOR = Door(layout, bytes.fromhex(spec.handoff.key), spec.handoff.host,
                 head_dim=head_dim if isinstance(head_dim, int) else None, most_bytes=most,

@@ -32,6 +32,9 @@ MIXER = "mixer"  # nemotron_h's one part per block: a Mamba-2 mixer, an attentio
 MAMBA_PARTS = {"in_proj", "conv1d", "norm", "out_proj"}
 MAMBA_COUNTS = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size",
                 "conv_dim")  # fmt: skip
+KDA_PARTS = {"q_proj", "k_proj", "v_proj", "q_conv", "k_conv", "v_conv", "f_a_proj", "f_b_proj",
+             "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj"}  # fmt: skip
+MLA_PARTS = {"q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "embed_q", "unembed_out", "o_proj"}
 SWITCH_MLP = {"fc1", "fc2"}  # an ungated switch MLP's up and down (nemotron_h's experts)
 HEADS = ("n_heads", "num_heads", "num_attention_heads")
 KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
@@ -359,6 +362,72 @@ def shard_mamba(mixer: nn.Module, plan: TensorPlan, rank: int, group) -> None:
     mixer.intermediate_size, mixer.conv_dim = (h1 - h0) * p, len(channels)
 
 
+def head_rows(h0: int, h1: int, dim: int) -> list[int]:
+    return list(range(h0 * dim, h1 * dim))
+
+
+def rank_heads(n_heads: int, plan: TensorPlan, rank: int, what: str) -> tuple[int, int]:
+    """This rank's span of ``n_heads`` heads (as the plan weighs the ranks)."""
+    try:
+        return spans(n_heads, plan.weights or [1.0] * len(plan.heads))[rank]
+    except ValueError:
+        raise ModelError(
+            f"tensor mode gives each rank a span of the {what}'s {n_heads} heads: use at most "
+            f"{n_heads} ranks, or --mode pipeline"
+        ) from None
+
+
+def shard_delta_attention(attn: nn.Module, plan: TensorPlan, rank: int, group) -> None:
+    """Kimi's delta attention (Kimi-Linear): each rank keeps a span of its heads through every
+    part that holds them (the q, k and v projections and their short convolutions; the
+    decay's and gate's second low-rank projections, whose first stay whole; the step per
+    head; the decay's bias), the output projection's inputs summed over the ranks. Each
+    rank's cache then holds its own heads' convolution and delta state."""
+    n, d = attn.num_heads, attn.head_dim
+    h0, h1 = rank_heads(n, plan, rank, "delta attention")
+    rows = head_rows(h0, h1, d)
+    for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj"):
+        keep_rows(attn[name], rows)
+    keep_rows(attn.b_proj, list(range(h0, h1)))
+    index = mx.array(rows)
+    for name in ("q_conv", "k_conv", "v_conv"):
+        conv = attn[name].conv
+        conv.weight = mx.contiguous(mx.take(conv.weight, index, axis=0))
+        conv.groups = len(rows)
+    attn.A_log = mx.contiguous(attn.A_log[:, :, h0:h1])
+    attn.dt_bias = mx.contiguous(attn.dt_bias[h0 * d : h1 * d])
+    keep_inputs(attn.o_proj, h0 * d, h1 * d)
+    attn.o_proj = RowParallel(attn.o_proj, group)
+    attn.num_heads, attn.projection_dim = h1 - h0, (h1 - h0) * d
+
+
+def shard_latent_attention(attn: nn.Module, plan: TensorPlan, rank: int, group) -> None:
+    """A latent attention (Kimi-Linear's MLA): each rank keeps a span of the query heads and
+    their slices of the per-head up-projections; the latent (the cache) is every rank's."""
+    n = attn.num_heads
+    h0, h1 = rank_heads(n, plan, rank, "latent attention")
+    keep_rows(attn.q_proj, head_rows(h0, h1, attn.q_head_dim))
+    for name in ("embed_q", "unembed_out"):
+        for key in ("weight", "scales", "biases"):
+            if key in attn[name]:
+                attn[name][key] = mx.contiguous(attn[name][key][h0:h1])
+    keep_inputs(attn.o_proj, h0 * attn.v_head_dim, h1 * attn.v_head_dim)
+    attn.o_proj = RowParallel(attn.o_proj, group)
+    attn.num_heads = h1 - h0
+
+
+def kind_of_attention(attn: nn.Module) -> str | None:
+    """ "delta" or "latent" for the attentions known by their parts (Kimi-Linear's), else None."""
+    parts = set(children(attn))
+    if parts == KDA_PARTS and all(isinstance(getattr(attn, n, None), int)
+                                  for n in ("num_heads", "head_dim")):  # fmt: skip
+        return "delta"
+    if parts == MLA_PARTS and all(isinstance(getattr(attn, n, None), int)
+                                  for n in ("num_heads", "q_head_dim", "v_head_dim")):  # fmt: skip
+        return "latent"
+    return None
+
+
 def mixer_problem(mixer: nn.Module) -> str | None:
     """Why tensor mode cannot shard one nemotron_h block's mixer, or None."""
     parts = set(children(mixer))
@@ -418,7 +487,10 @@ def layer_problem(layer: nn.Module) -> str | None:
     if others:
         return f"{type(layer).__name__} has parts we do not know: {', '.join(others)}"
     experts = [mlp_problem(parts[e]) for e in EXPERTS if e in parts]
-    mixer = linear_problem(parts[attn]) if linear else attention_problem(parts[attn])
+    if not linear and kind_of_attention(parts[attn]) is not None:
+        mixer = None
+    else:
+        mixer = linear_problem(parts[attn]) if linear else attention_problem(parts[attn])
     return mixer or mlp_problem(parts[mlp]) or next((p for p in experts if p), None)
 
 
@@ -432,10 +504,16 @@ def shard_tensor(layers: list[nn.Module], plan: TensorPlan, group) -> None:
             continue
         mlp = next(m for m in MLP if m in parts)
         linear = next((a for a in LINEAR if a in parts), None)
+        attn = parts[linear or next(a for a in ATTENTION if a in parts)]
+        kind = None if linear else kind_of_attention(attn)
         if linear is not None:
-            shard_linear_attention(parts[linear], plan, rank, group)
+            shard_linear_attention(attn, plan, rank, group)
+        elif kind == "delta":
+            shard_delta_attention(attn, plan, rank, group)
+        elif kind == "latent":
+            shard_latent_attention(attn, plan, rank, group)
         else:
-            shard_attention(parts[next(a for a in ATTENTION if a in parts)], plan, rank, group)
+            shard_attention(attn, plan, rank, group)
         for name in (mlp, *(e for e in EXPERTS if e in parts)):
             block = parts[name]
             if any(s in children(block) for s in SWITCH):

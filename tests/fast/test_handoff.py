@@ -374,11 +374,13 @@ def test_rank0_refuses_a_duplicate_ticket_and_a_prefill_copy_and_says_what_it_fo
     assert events[2:] == [Forgot("a", "t1", "a rank's door refused what came")]
 
 
-# This year's cache kinds (issue 63): what each family keeps besides plain KV
+# This year's cache kinds (issue 63): what each family keeps beside (or instead of) llama's KV
 HYBRIDS = {"qwen3_5": "ArraysCache (linear attention)", "gpt_oss": "RotatingKVCache (windows)",
            "longcat_flash": "CacheList",
            "gemma4_text": "RotatingKVCache, KV-sharing layers without a cache",
-           "nemotron_h": "ArraysCache (Mamba), blocks without a cache"}  # fmt: skip
+           "nemotron_h": "ArraysCache (Mamba), blocks without a cache",
+           "kimi_linear": "ArraysCache (delta attention), latent KV (one head)",
+           "deepseek_v3": "latent KV only (MLA: one head, its rope keys narrower)"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -432,7 +434,6 @@ def test_a_hybrid_models_state_comes_whole_and_the_cache_continues_the_prompt_ex
 ):
     config, m, cache = hybrids[family]
     kinds = kinds_of(m)
-    assert {travels_as(k) for k in kinds.values()} != {"kv"}, kinds  # not plain KV alone
     want = next_logits(m, prefilled(m, TOKENS[:-1])[0], TOKENS[-1:])
     for senders in (group_layouts(config, "pipeline", 2), group_layouts(config, "pipeline", 1)):
         (layout,) = group_layouts(config, "pipeline", 1)
@@ -510,3 +511,20 @@ def test_a_layout_names_places_in_the_cache_list_not_layers():
     assert group_layouts(config, "pipeline", 1)[0].layers == (0, 1, 2, 3, 4)
     assert [r.layers for r in group_layouts(config, "pipeline", 2)] == [(3, 4), (0, 1, 2)]
     assert all(r.layers == (0, 1, 2, 3, 4) for r in group_layouts(config, "tensor", 2))
+
+
+def test_a_latent_attentions_kv_goes_whole_to_every_tensor_rank(hybrids):
+    """MLA (DeepSeek V3/V3.2, Kimi K2, Kimi-Linear): the cache holds one latent "head" and its
+    rope keys (narrower: the frame says ``v_dim``), the same on every tensor rank."""
+    config, m, cache = hybrids["deepseek_v3"]
+    receivers = group_layouts(config, "tensor", 2)
+    assert [r.heads for r in receivers] == [(0,), (0,)]
+    doors = hand_off_cache(cache, kinds_of(m), group_layouts(config, "pipeline", 2), receivers)
+    for door, layout in zip(doors, receivers, strict=True):
+        assert wait_complete(door)
+        arrays = layer_arrays(door.take("t1"), layout)
+        for i, (k, v) in arrays.items():
+            assert k.shape[-1] != v.shape[-1]
+            assert mx.array_equal(k, cache[i].keys[..., : cache[i].offset, :]).item()
+            assert mx.array_equal(v, cache[i].values[..., : cache[i].offset, :]).item()
+        door.close()
