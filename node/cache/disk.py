@@ -731,8 +731,8 @@ def open_disk_cache(loaded, spec, group, log: Callable[[str], None],
     root = Path(spec.prompt_cache_dir).expanduser() if spec.prompt_cache_dir else default_root()
     if layers is None:
         kinds = sorted({type(c).__name__ for c in fresh})
-        log(f"disk prompt cache: this model's caches ({', '.join(kinds)}) are not kinds it "
-            "keeps (KVCache in blocks; RotatingKVCache and ArraysCache whole); off")  # fmt: skip
+        warn(f"disk prompt cache off: this model's caches ({', '.join(kinds)}) are not kinds "
+             "it keeps (KVCache in blocks; RotatingKVCache and ArraysCache whole)")  # fmt: skip
     disk = None
     if layers is not None:
         try:

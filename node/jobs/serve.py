@@ -913,6 +913,14 @@ def run_serve(job: Job) -> None:
         if batched
         else None
     )
+    # a model whose caches cannot batch decodes each request alone: one stream's cache between
+    # them (its prompt and, where it cannot be cut back, the prompt's snapshot; memory only)
+    alone = None
+    if not batched and agreed.prompt_cache_size:
+        from node.cache.turns import TurnCache
+
+        proposer = getattr(loaded.speculation, "proposer", None)
+        alone = TurnCache(loaded.model, cache_bytes, proposer, None, group)
     note = micro_batches_note(loaded.model, spec.stages, spec.micro_batches) if batched else None
     if note is not None and rank0:
         emit(Notice(note))
@@ -980,7 +988,7 @@ def run_serve(job: Job) -> None:
                     if scheduler is not None:
                         scheduler.adopted[adopt.ticket] = figures
             if order.single is not None:
-                decode_alone(order.single, scheduler, loaded, group, vocab, emit)
+                decode_alone(order.single, scheduler, loaded, group, vocab, emit, alone)
                 continue
             if batch is not None:  # not batched: every request comes alone, the rest are pings
                 joined = batch.apply(order)
@@ -1023,10 +1031,12 @@ def agree_built(group, wait: float) -> list[int]:
 
 
 def decode_alone(
-    request: SharedRequest, scheduler: Scheduler | None, loaded, group, vocab: int, emit
-) -> None:
+    request: SharedRequest, scheduler: Scheduler | None, loaded, group, vocab: int, emit,
+    turns=None,
+) -> None:  # fmt: skip
     """A request decoded alone (it has a seed, or the model's caches cannot be batched), on
-    every rank; rank 0 (``scheduler``) streams its text and ends it."""
+    every rank; rank 0 (``scheduler``) streams its text and ends it. ``turns``
+    (node.cache.turns.TurnCache): the cache kept between such requests, where one is."""
     from node.decode.loop import generate
 
     flight = scheduler.inserting[0][0] if scheduler is not None else None
@@ -1056,14 +1066,19 @@ def decode_alone(
             over.append(why)
         return bool(over)
 
-    on_prefill = None
-    if flight is not None:
-        rid = flight.request.id
+    rid = flight.request.id if flight is not None else None
+    if rid is not None:
         emit(Admitted(rid, len(request.tokens)))
 
-        def on_prefill(done: int, total: int) -> None:
-            if done:
-                emit(Prefill(done, total, rid))
+    def on_prefill(done: int, total: int) -> None:  # every rank: the cache's snapshot
+        if turns is not None:
+            turns.prefilled(done, total)
+        if rid is not None and done:
+            emit(Prefill(done, total, rid))
+
+    prompt_cache, feed = None, None
+    if turns is not None:
+        prompt_cache, feed = turns.prepare(request.tokens, request.cache_key)
 
     try:
         answer = generate(
@@ -1077,11 +1092,17 @@ def decode_alone(
             on_response=(
                 functools.partial(scheduler.logprobs, flight) if scheduler and flight else None
             ),
+            prompt_cache=prompt_cache,
+            feed=feed,
             speculation=loaded.speculation,
-            on_prefill=on_prefill,
+            on_prefill=on_prefill if turns is not None or rid is not None else None,
             made=made,
         )
+        if turns is not None:
+            turns.done(request.tokens, answer.tokens)
     except GrammarFailed as e:  # on every rank alike, at the same token
+        if turns is not None:
+            turns.forget()
         if scheduler is not None and flight is not None:
             scheduler.inserting = []
             scheduler.grammar_failed(

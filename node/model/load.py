@@ -191,10 +191,12 @@ def shard_for_tensor(model: nn.Module, plan: TensorPlan, weights, group) -> None
         if whole_head:
             args.tie_word_embeddings = True  # read by shard() alone to split the head
         model.shard(group)
-    except AssertionError as e:  # its own checks (qwen3_5: the ranks must divide the vocabulary)
+    except (AssertionError, ValueError) as e:  # its own checks (qwen3_5: the ranks must divide
+        # the vocabulary; deepseek_v41: the heads and output groups)
+        why = str(e).rstrip(".")
         raise ModelError(
             f"mlx-lm's shard() for model family {family!r} cannot split it over "
-            f"{group.size()} ranks ({e}); use a rank count it divides, or --mode pipeline"
+            f"{group.size()} ranks ({why}); use a rank count it divides, or --mode pipeline"
         ) from None
     finally:
         if whole_head:

@@ -82,19 +82,22 @@ def test_a_later_prompt_starts_from_the_longest_snapshot_inside_what_it_shares(
     fresh.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss", "deepseek_v41"])
 def test_chat_resumes_a_turn_whose_answer_renders_otherwise_from_the_prompts_snapshot(
     tmp_path, family
 ):
-    """chat's turn cache (node.jobs.chat.TurnCache): the next turn repeats the prompt but not
+    """chat's turn cache (node.cache.turns.TurnCache): the next turn repeats the prompt but not
     the answer's tokens (a template renders them its own way): a cache that cannot be cut
-    back starts from its snapshot at the end of the prompt, with the text of a fresh start."""
+    back starts from its snapshot at the end of the prompt, with the text of a fresh start.
+    (deepseek_v41's LayerCache cannot batch: serve decodes its requests alone, with this
+    cache between them.)"""
     from functools import partial
 
     from mlx_lm import load
 
+    from node.cache.turns import TurnCache
     from node.decode.loop import generate
-    from node.jobs.chat import TurnCache, prefilled
+    from node.jobs.chat import prefilled
     from tests.support.tiny import make_model
 
     model, tokenizer = load(str(make_model(tmp_path / family, family, seed=1)))

@@ -68,7 +68,7 @@ def second_turn(loaded, group, folder: Path) -> dict:
 
     from cluster.core.spec import Order
     from node.cache.disk import DiskCache, agree_min, local_layers, plan_key, state_layers
-    from node.jobs.batch import Lockstep
+    from node.jobs.batch import Lockstep, batchable
 
     vocab = loaded.tokenizer.vocab_size
 
@@ -81,6 +81,9 @@ def second_turn(loaded, group, folder: Path) -> dict:
             batch.round(lambda r: out.append(r.token))
         return out, cached
 
+    first = [(7 * i) % (vocab - 2) + 1 for i in range(CACHE_PROMPT)]
+    if not batchable(loaded.model):  # serve decodes each request alone (node.jobs.serve)
+        return second_turn_alone(loaded, group, first)
     fresh = make_prompt_cache(loaded.model)
     layers = local_layers(fresh)
     disk = None
@@ -91,7 +94,6 @@ def second_turn(loaded, group, folder: Path) -> dict:
     def batch(size: int, tier=None) -> Lockstep:
         return Lockstep(loaded.model, loaded.tokenizer, 4, 4, size, group=group, disk=tier)
 
-    first = [(7 * i) % (vocab - 2) + 1 for i in range(CACHE_PROMPT)]
     memory = batch(10, disk)
     said, _ = answer(memory, first)
     turn = first + said + [3, 4, 5]
@@ -111,6 +113,31 @@ def second_turn(loaded, group, folder: Path) -> dict:
         again.close()
         result.update(disk=cached, same=result["same"] and got == want)
     return result
+
+
+def second_turn_alone(loaded, group, first: list[int]) -> dict:
+    """``second_turn`` for a model whose caches cannot batch: serve's requests decoded alone
+    keep one stream's cache between them (node.cache.turns.TurnCache, as decode_alone uses
+    it; memory only)."""
+    from node.cache.turns import TurnCache
+
+    turns = TurnCache(loaded.model, 1e9, None, None, group)
+
+    def answer(prompt: list[int], cached: bool) -> tuple[list[int], int]:
+        request = SharedRequest(Sampling(max_tokens=4), prompt)
+        if not cached:
+            return generate(loaded.model, loaded.tokenizer, request, None, group).tokens, 0
+        cache, feed = turns.prepare(prompt)
+        got = generate(loaded.model, loaded.tokenizer, request, None, group, prompt_cache=cache,
+                       feed=feed, on_prefill=turns.prefilled)  # fmt: skip
+        turns.done(prompt, got.tokens)
+        return got.tokens, len(prompt) - len(feed)
+
+    said, _ = answer(first, True)
+    turn = first + said + [3, 4, 5]
+    got, cached = answer(turn, True)
+    want, _ = answer(turn, False)
+    return {"prompt": len(first) + len(said), "memory": cached, "disk": None, "same": got == want}
 
 
 def main() -> int:
