@@ -44,7 +44,13 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 BLOCK_TOKENS = 256
 FORMAT = "3"
@@ -216,20 +222,36 @@ def block_hashes(tokens: list[int], block: int = BLOCK_TOKENS) -> list[str]:
 STATE_KINDS = (RotatingKVCache, ArraysCache)  # kept whole at block boundaries (snapshots)
 
 
-def local_layers(cache: list) -> list[int] | None:
-    """The indices of this rank's KV caches in a fresh cache list (other layers' slots are
-    node.model.stage's SkippedCache), kept as blocks; None when a layer's cache is neither a
-    plain KVCache nor one of STATE_KINDS (quantized, composite caches: no disk tier)."""
+Part = int | str  # a layer's KV cache in the list: its index, or "i.j" (a CacheList's j-th)
+
+
+def local_layers(cache: list) -> list[Part] | None:
+    """This rank's KV caches in a fresh cache list (other layers' slots are node.model.stage's
+    SkippedCache), kept as blocks: a layer's index, or "i.j" for each KV cache of a
+    CacheList (DeepSeek V3.2's and GLM-5's latent and indexer keys, LongCat's two attentions);
+    None when a layer's cache is neither those nor one of STATE_KINDS (quantized, other
+    composite caches: no disk tier)."""
     from node.model.stage import SkippedCache
 
-    ids = []
+    ids: list[Part] = []
     for i, c in enumerate(cache):
         if isinstance(c, SkippedCache) or isinstance(c, STATE_KINDS):
+            continue
+        if isinstance(c, CacheList) and all(type(p) is KVCache for p in c.caches):
+            ids.extend(f"{i}.{j}" for j in range(len(c.caches)))
             continue
         if type(c) is not KVCache:
             return None
         ids.append(i)
     return ids
+
+
+def kv_part(cache: list, part: Part) -> KVCache:
+    """The KV cache ``part`` names (``local_layers``)."""
+    if isinstance(part, str):
+        i, j = part.split(".")
+        return cache[int(i)].caches[int(j)]
+    return cache[part]
 
 
 def state_layers(cache: list) -> list[int]:
@@ -298,7 +320,7 @@ class DiskCache:
     ``root`` (open_store: NotOurs when the cache may not use it); ``limit_bytes`` bounds the
     whole store (every plan and model kept there on this host)."""
 
-    def __init__(self, root: Path, key: str, limit_bytes: float, layers: list[int],
+    def __init__(self, root: Path, key: str, limit_bytes: float, layers: list[Part],
                  log: Callable[[str], None] = lambda _: None, group=None,
                  warn: Callable[[str], None] | None = None,
                  states: list[int] | None = None):  # fmt: skip
@@ -494,12 +516,12 @@ class DiskCache:
         for i in self.layers:
             keys = mx.concatenate([b[f"k{i}"] for b in blocks[:n]], axis=2)
             values = mx.concatenate([b[f"v{i}"] for b in blocks[:n]], axis=2)
-            cache[i].state = (keys, values, n * BLOCK_TOKENS)
+            kv_part(cache, i).state = (keys, values, n * BLOCK_TOKENS)
         for i, p in packed.items():
             cache[int(i)].state = unpack_state(p["state"], record[0])
         mx.eval(
-            [cache[i].keys for i in self.layers],
-            [cache[i].values for i in self.layers],
+            [kv_part(cache, i).keys for i in self.layers],
+            [kv_part(cache, i).values for i in self.layers],
             [a for k, a in (record[0] if record else {}).items() if k != STATE_META],
         )
         self.stats.hits += 1
@@ -523,7 +545,7 @@ class DiskCache:
         if not self.writing or local_layers(cache) != self.layers:
             return 0
         if self.layers:
-            held = min(getattr(cache[i], "offset", 0) for i in self.layers)
+            held = min(getattr(kv_part(cache, i), "offset", 0) for i in self.layers)
         else:
             held = len(tokens) if whole else 0
         names = block_hashes(tokens[:held])
@@ -536,7 +558,8 @@ class DiskCache:
             lo, hi = b * BLOCK_TOKENS, (b + 1) * BLOCK_TOKENS
             arrays, dtypes = {}, {}
             for i in self.layers:
-                for kind, a in (("k", cache[i].keys), ("v", cache[i].values)):
+                kv = kv_part(cache, i)
+                for kind, a in (("k", kv.keys), ("v", kv.values)):
                     dtypes[f"{kind}{i}"] = str(a.dtype).removeprefix("mlx.core.")
                     arrays[f"{kind}{i}"] = _stored(a[..., lo:hi, :])
             nbytes = sum(a.nbytes for a in arrays.values())

@@ -342,7 +342,9 @@ class Lockstep:
         self.kept = 0  # answers' caches kept since the bytes were last checked
         # uid -> the token list its cache is kept under, since rank 0 last read them
         # (node.jobs.serve.CachedPrefixes: what the fleet's router is told)
-        self.kept_now: dict[int, list[int]] = {}
+        # uid -> the token lists its caches were kept under this round (an answer's, and its
+        # prompt's snapshots: each serves the prefix until the prompt cache drops it)
+        self.kept_now: dict[int, list[list[int]]] = {}
         self.report_kept = False  # rank 0 sets it
         self.grammars: dict[int, Constrained] = {}  # uid -> its grammar's processor
         self.last_round = (0.0, 0)  # (seconds, steps) of the last round
@@ -500,7 +502,7 @@ class Lockstep:
         self.prompt_cache.insert_cache(scope, tokens, cache, cache_type=kind)
         self.kept += 1
         if self.report_kept:
-            self.kept_now[uid] = tokens
+            self.kept_now.setdefault(uid, []).append(tokens)
 
     def keep_snapshots(self, m: int, inner: list[int]) -> None:
         """The caches of micro-batch ``m``'s sequences ``inner`` (generator uids) whose

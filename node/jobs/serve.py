@@ -782,11 +782,12 @@ class CachedPrefixes:
         self.told: tuple[list[str], list[str]] = ([], [])
 
     def report(self, batch, ended: dict[int, ServeRequest]) -> None:
-        for uid, tokens in batch.kept_now.items():
+        for uid, kept in batch.kept_now.items():
             request = ended.pop(uid, None)
             if request is not None and request.kind != "count":
                 names = [x.name for x in prefix_chain(request)]
-                self.entries[id(tokens)] = (tokens, names)
+                for tokens in kept:  # the request's prefix is held while any of them is
+                    self.entries[id(tokens)] = (tokens, names)
                 if batch.disk is not None and request.cache_key is None:  # as Lockstep.keep
                     for name in names:
                         self.disk.pop(name, None)

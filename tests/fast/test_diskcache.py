@@ -57,6 +57,26 @@ def test_blocks_read_back_continue_the_prompt_exactly(model, tmp_path):
     assert disk.restore(m, [5] + TOKENS[1:]) == (None, 0)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v32", "longcat_flash"])
+def test_a_cache_list_keeps_each_of_its_kv_caches_as_blocks(tmp_path, family):
+    """DeepSeek V3.2 and GLM-5 keep a CacheList per layer (the latent, the indexer's keys),
+    LongCat one of its two attentions: each KV cache in it is kept as blocks like a layer's
+    (its part "i.j"), and a prompt read back continues exactly."""
+    from mlx_lm import load
+
+    m, _ = load(str(make_model(tmp_path / family, family, seed=1)))
+    parts = local_layers(make_prompt_cache(m))
+    assert parts and all(isinstance(p, str) and "." in p for p in parts), parts
+    disk = DiskCache(tmp_path / "kv", PLAN, 1e9, parts)
+    tokens = [t % 500 + 1 for t in TOKENS]
+    assert disk.save(tokens, prefilled(m, tokens)[0]) == 3
+    disk.flush()
+    restored, n = disk.restore(m, tokens)
+    assert n == 3 * BLOCK_TOKENS
+    want = next_logits(m, prefilled(m, tokens[:n])[0], tokens[n:])
+    assert mx.array_equal(next_logits(m, restored, tokens[n:]), want).item()
+
+
 def test_a_corrupt_or_truncated_block_is_a_miss_and_is_removed(model, tmp_path):
     path, m = model
     disk = DiskCache(tmp_path, PLAN, 1e9, local_layers(make_prompt_cache(m)))

@@ -286,7 +286,7 @@ def test_health_says_each_group_and_the_fleets_status():
 
 class FakeBatch:
     def __init__(self):
-        self.kept_now: dict[int, list[int]] = {}
+        self.kept_now: dict[int, list[list[int]]] = {}
         self.live: set[int] = set()
         self.disk = None
 
@@ -301,17 +301,21 @@ def test_rank0_reports_the_prefixes_its_cache_holds_and_forgets_dropped_ones():
     one = request(False, messages=[{"role": "user", "content": "one"}]).request
     two = request(False, messages=[{"role": "user", "content": "two"}]).request
     t1, t2 = [1, 2, 3], [4, 5]
-    batch.kept_now = {7: t1, 8: t2}
-    batch.live = {id(t1), id(t2)}
+    snapshot = [4]  # two's prompt kept as a snapshot too (a cache that cannot be cut back)
+    batch.kept_now = {7: [t1], 8: [snapshot, t2]}
+    batch.live = {id(t1), id(t2), id(snapshot)}
     prefixes.report(batch, {7: one, 8: two})
     assert set(told[-1].links) == {x.name for x in prefix_chain(one) + prefix_chain(two)}
     assert not batch.kept_now
-    batch.live = {id(t2)}  # the LRU dropped one's cache
+    batch.live = {id(t2), id(snapshot)}  # the LRU dropped one's cache
     prefixes.report(batch, {})
     assert set(told[-1].links) == {x.name for x in prefix_chain(two)}
     n = len(told)
     prefixes.report(batch, {})
     assert len(told) == n  # nothing changed: nothing said
+    batch.live = {id(snapshot)}  # two's answer dropped, its prompt's snapshot still serves
+    prefixes.report(batch, {})
+    assert len(told) == n and set(told[-1].links) == {x.name for x in prefix_chain(two)}
 
 
 def test_each_groups_log_lines_name_it():
@@ -408,7 +412,7 @@ def test_a_restart_forgets_the_memory_tiers_prefixes_but_not_the_disk_tiers():
     keyed = request(False, messages=[{"role": "user", "content": "k"}],
                     prompt_cache_key="s").request  # fmt: skip
     t1, t2 = [1], [2]
-    batch.kept_now, batch.live = {1: t1, 2: t2}, {id(t1), id(t2)}
+    batch.kept_now, batch.live = {1: [t1], 2: [t2]}, {id(t1), id(t2)}
     prefixes.report(batch, {1: one, 2: keyed})
     names = {x.name for x in prefix_chain(one)}
     assert set(told[-1].disk) == names  # a keyed prompt's cache stays off the disk tier

@@ -262,7 +262,7 @@ def render(results: dict[str, dict[str, Cell]]) -> str:
         "page's own run) and fails when a status differs from this page (there, the cells of one",
         "mode and rank count share one start of their ranks: `tests/support/matrix_ranks.py`).",
         "",
-        "Each family is a tiny random float32 checkpoint built by `tests/support/tiny.py` (4-6",
+        "Each family is a tiny random float32 checkpoint built by `tests/support/tiny.py` (4-8",
         "layers; see `FAMILIES` and `VLM_FAMILIES` there). A cell runs `mlx-cluster launch -n N",
         "--mode M` on this machine (ring backend over loopback) and compares it with",
         f"single-process mlx-lm (mlx-vlm for vision models): {MAX_TOKENS} greedy tokens of text,",
