@@ -27,7 +27,7 @@ from tests.support.reference import (
     prefetch_references,
     reference_vlm,
 )
-from tests.support.tiny import VLM_FAMILIES, make_model, make_vlm
+from tests.support.tiny import QUANTIZED, VLM_FAMILIES, make_model, make_vlm
 
 DOCS = parse((ROOT / "docs" / "models.md").read_text())
 
@@ -66,6 +66,12 @@ def test_matrix_row_is_what_docs_say(family, matrix):
     for column, cell in matrix[family].items():
         recorded = DOCS[family][column]
         assert cell.status == recorded, f"{family} {column}: {cell.status} ({cell.detail})"
+        if family in QUANTIZED and column != "tensor 2" and column.startswith("tensor"):
+            # a tiny 4-bit model's widths are whole 64-wide groups for 2 ranks only: 3 and 4
+            # are refused before loading, naming the groups and the other mode
+            if cell.status == "unsupported":
+                assert "quantization groups" in cell.detail and "--mode pipeline" in cell.detail
+                continue
         # every family matches in both modes at 2, 3 and 4 ranks
         assert cell.status == "match", f"{family} {column}: {cell}"
         if column.startswith("pipeline") and family not in VLM_FAMILIES:

@@ -187,7 +187,9 @@ def check_cells_together(
     for cell in cells:
         family = cell["family"]
         answer = answers.get(family)
-        if answer is None:
+        if answer is not None and "unsupported" in answer:  # refused while loading
+            results[family] = Cell("unsupported", answer["unsupported"])
+        elif answer is None:
             errors = " | ".join(
                 (job / f"rank{i}.err").read_text(errors="replace")[-2000:] for i in range(ranks)
             )
@@ -263,7 +265,9 @@ def render(results: dict[str, dict[str, Cell]]) -> str:
         "mode and rank count share one start of their ranks: `tests/support/matrix_ranks.py`).",
         "",
         "Each family is a tiny random float32 checkpoint built by `tests/support/tiny.py` (4-8",
-        "layers; see `FAMILIES` and `VLM_FAMILIES` there). A cell runs `mlx-cluster launch -n N",
+        "layers; see `FAMILIES` and `VLM_FAMILIES` there); a `_q4` row is its family converted",
+        "to 4 bits as `mlx_lm.convert -q` does (64-wide groups; `QUANTIZED` there: wider, so",
+        "every quantized width is whole groups). A cell runs `mlx-cluster launch -n N",
         "--mode M` on this machine (ring backend over loopback) and compares it with",
         f"single-process mlx-lm (mlx-vlm for vision models): {MAX_TOKENS} greedy tokens of text,",
         "and the next-token logits of the prompt (`launch --logits`). Both sides use the BLAS a",

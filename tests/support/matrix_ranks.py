@@ -21,7 +21,9 @@ from pathlib import Path
 
 import mlx.core as mx  # noqa: E402
 
+from cluster.core.modelcheck import ModelError  # noqa: E402
 from cluster.core.spec import JobRequest, Sampling, SharedRequest  # noqa: E402
+from node.cache.disk import agree_min  # noqa: E402
 from node.decode.loop import generate  # noqa: E402
 from node.decode.vision import generate_vlm  # noqa: E402
 from node.jobs.oneshot import make_job_request  # noqa: E402
@@ -32,7 +34,14 @@ from tests.support.matrix import CACHE_PROMPT  # noqa: E402
 
 
 def run_cell(cell: dict, mode: str, group) -> dict | None:
-    loaded = load_shard(cell["model"], mode, group)
+    refused = None
+    try:
+        loaded = load_shard(cell["model"], mode, group)
+    except ModelError as e:  # a refusal, as launch gives it: every rank agrees to skip the cell
+        refused = str(e)
+    if agree_min(int(refused is None), group) == 0:
+        why = refused or "another rank refused this model"
+        return {"family": cell["family"], "unsupported": why} if group.rank() == 0 else None
     rank0 = group.rank() == 0
     image = Path(cell["image"]).read_bytes() if cell.get("image") else None
     request = JobRequest(
@@ -67,7 +76,7 @@ def second_turn(loaded, group, folder: Path) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     from cluster.core.spec import Order
-    from node.cache.disk import DiskCache, agree_min, local_layers, plan_key, state_layers
+    from node.cache.disk import DiskCache, local_layers, plan_key, state_layers
     from node.jobs.batch import Lockstep, batchable
 
     vocab = loaded.tokenizer.vocab_size

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from cluster.core.blas import blas_env
-from tests.support.tiny import FAMILIES, VLM_FAMILIES
+from tests.support.tiny import FAMILIES, QUANTIZED, VLM_FAMILIES
 
 CLI = shutil.which("mlx-cluster", path=str(Path(sys.executable).parent)) or "mlx-cluster"
 PROMPT = "Tell me about lists"
@@ -22,7 +22,7 @@ SHORT_TOKENS = 6  # CI's tensor cells at 3 and 4 ranks: with the logits (see che
 LOGIT_TOLERANCE = 1e-3  # float32; reduction order across ranks moves logits by ~1e-6
 MODES = ("pipeline", "tensor")
 RANKS = (2, 3, 4)
-TEXT_FAMILIES = [f for f in FAMILIES if f != "llama_q"]
+TEXT_FAMILIES = [*(f for f in FAMILIES if f != "llama_q"), *QUANTIZED]
 STATUSES = ("match", "close", "differs", "unsupported", "failed")
 
 

@@ -580,6 +580,25 @@ FAMILIES["qwen3_5_moe"] = {
 # repeated (gemma4, with its per-layer inputs and softcap, down to x0.6)
 INIT_SCALE = {"gemma2": 2.0, "gemma4_text": 0.3, "gemma4_moe": 0.3}
 
+# 4-bit conversions of this year's families, as users download them: the family, wider where
+# it must be (every quantized width a whole number of 64-wide groups, also when split by 2)
+QUANTIZED = {
+    "qwen3_5_moe_q4": ("qwen3_5_moe", {"text_config": {
+        **FAMILIES["qwen3_5_moe"]["text_config"], "hidden_size": 128, "intermediate_size": 256,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16,
+        "linear_num_value_heads": 8, "linear_num_key_heads": 8, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128}}),
+    "gpt_oss_q4": ("gpt_oss", {"hidden_size": 128, "intermediate_size": 128, "head_dim": 16,
+                               "num_attention_heads": 8, "num_key_value_heads": 8}),
+    "deepseek_v32_q4": ("deepseek_v32", {
+        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "kv_lora_rank": 64,
+        "q_lora_rank": 64, "qk_rope_head_dim": 16, "v_head_dim": 16, "qk_nope_head_dim": 16,
+        "index_head_dim": 32, "index_n_heads": 2}),
+}  # fmt: skip
+QUANTIZED["glm_moe_dsa_q4"] = ("glm_moe_dsa", QUANTIZED["deepseek_v32_q4"][1])
+
 
 def train_tokenizer(
     out: Path,
@@ -659,6 +678,9 @@ def make_model(
     from mlx_lm.utils import _get_classes
 
     out.mkdir(parents=True, exist_ok=True)
+    if family in QUANTIZED:  # a 4-bit conversion of a family
+        family, wider = QUANTIZED[family]
+        overrides, bits = {**wider, **overrides}, bits or 4
     config = {**FAMILIES[family], **overrides}
     template = chat_template if isinstance(chat_template, str) else None
     template = template or (CHAT_TEMPLATE if chat_template else None)
