@@ -178,9 +178,10 @@ def test_entries_of_one_host_and_directory_are_copied_once(models, tmp_path):
     assert first["bytes_sent"] == sum(f.stat().st_size for f in model.iterdir())
 
 
-def start_a_big_sync(sshd, models, tmp_path):
+def start_a_big_sync(sshd, models, tmp_path, any_host: bool = False):
     """A sync of the llama model plus a 300 MiB file, caught once that file's copy on host 1
-    is under way: the sync, the big source file, and host 1's .part of it."""
+    (``any_host``: on the first host it reaches, the earliest moment its stream is under
+    way) is under way: the sync, the big source file, and host 1's .part of it."""
     import os
     import shutil
     import signal
@@ -204,8 +205,13 @@ def start_a_big_sync(sshd, models, tmp_path):
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=terminal_like)  # fmt: skip
     part = tmp_path / "h1" / "big" / "model-extra.safetensors.part"
+    parts = [tmp_path / h / "big" / part.name for h in ("h0", "h1")] if any_host else [part]
+
+    def under_way() -> bool:
+        return any(p.exists() and p.stat().st_size > 0 for p in parts)
+
     deadline = time.monotonic() + 120
-    while not (part.exists() and part.stat().st_size > 0):  # the copy of that file is under way
+    while not under_way():  # the copy of that file is under way
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.02)
     return proc, extra, part
@@ -240,7 +246,9 @@ def test_a_source_file_cut_short_mid_copy_fails_every_host_and_leaves_no_receive
     import os
     import signal
 
-    proc, extra, part = start_a_big_sync(sshd, models, tmp_path)
+    # cut as soon as the stream reaches a host: caught later, one host (the chain's first)
+    # had sometimes taken the whole file already, and nothing was left to break for it
+    proc, extra, part = start_a_big_sync(sshd, models, tmp_path, any_host=True)
     os.truncate(extra, 1024 * 1024)
     try:
         out, err = proc.communicate(timeout=60)
