@@ -287,13 +287,7 @@ def shard_linear_attention(la: nn.Module, plan: TensorPlan, rank: int, group) ->
     holds its own heads' state."""
     nk, nv, dk, dv = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
     ratio = nv // nk
-    try:
-        k0, k1 = spans(nk, plan.weights or [1.0] * len(plan.heads))[rank]
-    except ValueError:
-        raise ModelError(
-            f"tensor mode gives each rank a span of the linear attention's {nk} key heads: use "
-            f"at most {nk} ranks, or --mode pipeline"
-        ) from None
+    k0, k1 = rank_span(nk, plan, rank, f"the linear attention's {nk} key heads")
     v0, v1 = k0 * ratio, k1 * ratio
     group_rows = 2 * dk + 2 * ratio * dv  # q, k, v, z of one key head, side by side
     keep_rows(
@@ -332,13 +326,7 @@ def shard_mamba(mixer: nn.Module, plan: TensorPlan, rank: int, group) -> None:
     step bias; the gated norm, per group; the output projection's inputs, summed over the
     ranks). Each rank's cache then holds its own heads' convolution and SSM state."""
     n_groups, n_heads, p, n = mixer.n_groups, mixer.num_heads, mixer.head_dim, mixer.ssm_state_size
-    try:
-        g0, g1 = spans(n_groups, plan.weights or [1.0] * len(plan.heads))[rank]
-    except ValueError:
-        raise ModelError(
-            f"tensor mode gives each rank a span of the Mamba mixer's {n_groups} groups: use at "
-            f"most {n_groups} ranks, or --mode pipeline"
-        ) from None
+    g0, g1 = rank_span(n_groups, plan, rank, f"the Mamba mixer's {n_groups} groups")
     per = n_heads // n_groups
     h0, h1 = g0 * per, g1 * per
     inner, conv_dim = mixer.intermediate_size, mixer.conv_dim
@@ -366,14 +354,15 @@ def head_rows(h0: int, h1: int, dim: int) -> list[int]:
     return list(range(h0 * dim, h1 * dim))
 
 
-def rank_heads(n_heads: int, plan: TensorPlan, rank: int, what: str) -> tuple[int, int]:
-    """This rank's span of ``n_heads`` heads (as the plan weighs the ranks)."""
+def rank_span(total: int, plan: TensorPlan, rank: int, what: str) -> tuple[int, int]:
+    """This rank's span of ``total`` heads or groups (as the plan weighs the ranks);
+    ModelError naming ``what`` when the ranks outnumber them."""
     try:
-        return spans(n_heads, plan.weights or [1.0] * len(plan.heads))[rank]
+        return spans(total, plan.weights or [1.0] * len(plan.heads))[rank]
     except ValueError:
         raise ModelError(
-            f"tensor mode gives each rank a span of the {what}'s {n_heads} heads: use at most "
-            f"{n_heads} ranks, or --mode pipeline"
+            f"tensor mode gives each rank a span of {what}: use at most {total} ranks, or "
+            "--mode pipeline"
         ) from None
 
 
@@ -384,7 +373,7 @@ def shard_delta_attention(attn: nn.Module, plan: TensorPlan, rank: int, group) -
     head; the decay's bias), the output projection's inputs summed over the ranks. Each
     rank's cache then holds its own heads' convolution and delta state."""
     n, d = attn.num_heads, attn.head_dim
-    h0, h1 = rank_heads(n, plan, rank, "delta attention")
+    h0, h1 = rank_span(n, plan, rank, f"the delta attention's {n} heads")
     rows = head_rows(h0, h1, d)
     for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj"):
         keep_rows(attn[name], rows)
@@ -405,7 +394,7 @@ def shard_latent_attention(attn: nn.Module, plan: TensorPlan, rank: int, group) 
     """A latent attention (Kimi-Linear's MLA): each rank keeps a span of the query heads and
     their slices of the per-head up-projections; the latent (the cache) is every rank's."""
     n = attn.num_heads
-    h0, h1 = rank_heads(n, plan, rank, "latent attention")
+    h0, h1 = rank_span(n, plan, rank, f"the latent attention's {n} heads")
     keep_rows(attn.q_proj, head_rows(h0, h1, attn.q_head_dim))
     for name in ("embed_q", "unembed_out"):
         for key in ("weight", "scales", "biases"):
